@@ -1,0 +1,61 @@
+"""Wiring: model provider + prompt cache + engine + aiohttp server."""
+
+import asyncio
+import logging
+import signal
+
+import mlx.core as mx
+from aiohttp import web
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import get_system_fingerprint
+from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+from .api import Server, make_app
+from .engine import Engine
+from .models import ModelProvider, resolve_default_model
+
+
+def build(cli_args):
+    """(engine, server) for these arguments; the engine is not started."""
+    resolve_default_model(cli_args)
+    model_provider = ModelProvider(cli_args)
+    prompt_cache = LRUPromptCache(cli_args.prompt_cache_size)
+    engine = Engine(model_provider, prompt_cache)
+    server = Server(cli_args, engine, model_provider, get_system_fingerprint())
+    return engine, server
+
+
+async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
+    runner = web.AppRunner(
+        make_app(server), handler_cancellation=True, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logging.info(f"Starting httpd at {host} on port {port}...")
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(cli_args):
+    maybe_set_recommended_wired_limit()
+    engine, server = build(cli_args)
+    engine.start()
+    if mx.distributed.init().rank() != 0:
+        # Other ranks only compute; rank 0 reads the HTTP requests.
+        engine.join()
+        return
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(server, cli_args.host, cli_args.port, stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop_and_join(timeout=10)

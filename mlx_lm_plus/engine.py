@@ -1,0 +1,570 @@
+"""The engine: one generation thread that owns the model and a BatchGenerator.
+
+Requests arrive through `Engine.submit` with a `channel` (anything with a
+thread-safe `put`). The generation thread answers on that channel, in order:
+
+    GenerationContext            the request was accepted (prompt size, cache hit)
+    (processed, total) tuples    prefill progress
+    Response ...                 one per generated token
+    None                         done
+
+or an Exception instead of any of these. This is the protocol of
+mlx_lm.server 0.32.2's ResponseGenerator, so the pieces it hands around
+(GenerationContext, Response, GenerationArguments) are reused as they are.
+
+Batchable requests (no seed, no draft model, no --kv-bits, no images) join the
+running BatchGenerator; the others are served one at a time by
+`_serve_single` with `stream_generate`, as upstream does. Differences from
+upstream, each on purpose:
+  * new requests are picked up between every generation step (upstream runs
+    0.5 s of steps between looks), except under mx.distributed where every look
+    costs a collective;
+  * a request whose client went away (`ctx.stop()`) leaves the batch at the
+    next step wherever it is, queued, in prefill or in decode;
+  * an exception inside a batch step fails the requests of that batch, not the
+    thread: the batch is rebuilt and later requests are served.
+"""
+
+import gc
+import logging
+import pickle
+import time
+from queue import Empty, Queue
+from threading import Thread
+from typing import Any, Dict, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import (
+    BatchGenerator,
+    make_stop_sequences,
+    make_text_state_machine,
+    stream_generate,
+)
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+from mlx_lm.server import (
+    GenerationContext,
+    Response,
+    TimeBudget,
+    _format_top_logprobs,
+    _make_logits_processors,
+    _make_sampler,
+)
+
+from .prompt import build_prompt, template_kwargs
+
+
+class Channel:
+    """Where the generation thread sends a request's events.
+
+    This base class drops them (the sink of ranks other than 0 under
+    mx.distributed); the HTTP side subclasses it with an asyncio hand-off.
+    `cancelled` is set by the consumer when its client went away.
+    """
+
+    cancelled = False
+
+    def put(self, item):
+        pass
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class EngineUnavailable(RuntimeError):
+    """The generation thread is not running."""
+
+
+class PromptError(ValueError):
+    """The request could not be turned into a prompt (bad content, template)."""
+
+
+class ModelLoadError(RuntimeError):
+    """The requested model, adapter or draft model could not be loaded."""
+
+
+class Engine:
+    def __init__(self, model_provider, prompt_cache):
+        self.model_provider = model_provider
+        self.prompt_cache = prompt_cache
+        self.requests = Queue()
+        self._state_machines = {}
+        group = mx.distributed.init()
+        self._is_distributed = group.size() > 1
+        self._rank = group.rank()
+        self._time_budget = TimeBudget()
+        self._stop = False
+        self._failed = False
+        self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
+        self._thread.daemon = True
+
+    @property
+    def cli_args(self):
+        return self.model_provider.cli_args
+
+    def start(self):
+        self._thread.start()
+
+    def _run(self):
+        try:
+            self._generate()
+        except Exception as e:  # pragma: no cover - the last line of defence
+            logging.exception(f"mlx_lm_plus generation thread died: {e}")
+            self._failed = True
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and not self._failed
+
+    def submit(self, channel, request, args):
+        if not self.is_healthy:
+            raise EngineUnavailable("generation thread died")
+        self.requests.put((channel, request, args))
+
+    def stop_and_join(self, timeout=None):
+        self._stop = True
+        self._thread.join(timeout)
+
+    def join(self):
+        self._thread.join()
+
+    # -- distributed hand-off (rank 0 reads HTTP requests, all ranks compute) --
+
+    def _share_object(self, obj):
+        if not self._is_distributed:
+            return obj
+        if self._rank == 0:
+            if obj is None:
+                mx.eval(mx.distributed.all_sum(0))
+                return None
+            data = mx.array(pickle.dumps(obj))
+            mx.eval(mx.distributed.all_sum(data.size))
+            mx.eval(mx.distributed.all_sum(data))
+            return obj
+        size = mx.distributed.all_sum(0).item()
+        if size == 0:
+            return None
+        data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8))
+        return pickle.loads(data)
+
+    def _next_request(self, timeout=None):
+        request = None
+        if not self._is_distributed or self._rank == 0:
+            try:
+                if timeout is not None:
+                    request = self.requests.get(timeout=timeout)
+                else:
+                    request = self.requests.get_nowait()
+            except Empty:
+                pass
+        if not self._is_distributed:
+            return request
+        # The channel stays on rank 0; the other ranks get a sink.
+        shared = self._share_object(request[1:] if request is not None else None)
+        if shared is None:
+            return None
+        channel = request[0] if request is not None else Channel()
+        return (channel, *shared)
+
+    # -- helpers --
+
+    def _state_machine(self, tokenizer, stop_words):
+        key = (self.model_provider.model_key, tuple(stop_words))
+        if key not in self._state_machines:
+            if len(self._state_machines) > 100:
+                self._state_machines.clear()
+            self._state_machines[key] = (
+                make_stop_sequences(tokenizer, stop_words),
+                make_text_state_machine(tokenizer, stop_words),
+            )
+        return self._state_machines[key]
+
+    def _plan(self, tokenizer, request, args):
+        kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
+        try:
+            return build_prompt(tokenizer, self.model_provider.processor, request, kwargs)
+        except Exception as e:
+            raise PromptError(str(e) or type(e).__name__) from e
+
+    def _is_batchable(self, request, args) -> bool:
+        has_images = request.request_type == "chat" and any(
+            isinstance(m.get("content"), list)
+            and any(
+                isinstance(p, dict) and p.get("type") in ("image_url", "input_image", "image")
+                for p in m["content"]
+            )
+            for m in request.messages
+            if isinstance(m, dict)
+        )
+        return (
+            self.model_provider.is_batchable
+            and args.seed is None
+            and self.cli_args.kv_bits is None
+            and not has_images
+        )
+
+    def _load(self, args):
+        try:
+            return self.model_provider.load(
+                args.model.model, args.model.adapter, args.model.draft
+            )
+        except Exception as e:
+            logging.exception("Model load failed")
+            raise ModelLoadError(str(e)) from e
+
+    def _fetch_cache(self, key):
+        """(a copy of the nearest cached prefix or None, tokens it covers).
+
+        At least one token is always left to compute: an exact hit is trimmed
+        by one token, or dropped when it can't be trimmed (upstream passes an
+        empty prompt on and the generation thread dies).
+        """
+        logging.debug(
+            f"Prompt Cache: {len(self.prompt_cache)} sequences, "
+            f"{self.prompt_cache.nbytes / 1e9:.2f} GB"
+        )
+        cache, rest = self.prompt_cache.fetch_nearest_cache(
+            self.model_provider.model_key, key
+        )
+        cached = len(key) - len(rest)
+        if cache is not None and not rest:
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                cached -= 1
+            else:
+                cache, cached = None, 0
+        return cache, cached
+
+    # -- the generation loop --
+
+    def _generate(self):
+        # All generation runs on this thread's stream, the same one the
+        # distributed synchronisation uses.
+        stream = mx.default_stream(mx.default_device())
+        self.model_provider.load_default()
+
+        batch: Optional[_Batch] = None
+        drain = False
+        pending = []  # requests taken off the queue but not yet placed
+
+        if self._is_distributed:
+            seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
+            mx.random.seed(seed)
+
+        while not self._stop:
+            request = None
+            if not drain:
+                if pending:
+                    request = pending.pop()
+                else:
+                    busy = batch is not None and batch.active
+                    request = self._next_request(timeout=None if busy else 0.1)
+
+            if request is not None:
+                channel, req, args = request
+                # (Under mx.distributed every rank has already taken it; it
+                # leaves the batch at the next step instead.)
+                if channel.cancelled and not self._is_distributed:
+                    continue
+                batchable = self._is_batchable(req, args)
+                if batch is not None and batch.model_desc == args.model and batchable:
+                    batch.insert(channel, req, args)
+                elif batch is None:
+                    try:
+                        model, tokenizer = self._load(args)
+                    except ModelLoadError as e:
+                        channel.put(e)
+                        continue
+                    if not batchable:
+                        self._serve_single(channel, req, args, stream)
+                        continue
+                    batch = _Batch(self, args.model, model, tokenizer, stream)
+                    pending.append(request)
+                else:
+                    # A different model or a sequential request: finish the
+                    # running batch first.
+                    drain = True
+                    pending.append(request)
+                continue
+
+            if batch is None:
+                continue
+            if not batch.active:
+                if drain:
+                    batch.close()
+                    batch = None
+                    drain = False
+                continue
+
+            if self._is_distributed:
+                for _ in self._time_budget:
+                    if not batch.step():
+                        break
+            else:
+                batch.step()
+
+        self.model_provider.reset()
+        gc.collect()
+
+    def _serve_single(self, channel, request, args, stream):
+        """Sequential path: seed, draft model, --kv-bits, images."""
+        try:
+            model = self.model_provider.model
+            tokenizer = self.model_provider.tokenizer
+            draft_model = self.model_provider.draft_model
+            plan = self._plan(tokenizer, request, args)
+            stop_sequences, text_sm = self._state_machine(tokenizer, args.stop_words)
+            ctx = GenerationContext(
+                has_tool_calling=tokenizer.has_tool_calling,
+                has_thinking=tokenizer.has_thinking,
+                tool_parser=tokenizer.tool_parser,
+                text_sm=text_sm,
+                initial_state=plan.initial_state,
+                prompt=plan.tokens,
+            )
+            if args.seed is not None:
+                mx.random.seed(args.seed)
+            sampler = _make_sampler(args, tokenizer)
+            logits_processors = _make_logits_processors(args)
+
+            cache_key = plan.cache_key
+            cache, ctx.prompt_cache_count = self._fetch_cache(cache_key)
+            rest = plan.tokens[ctx.prompt_cache_count :]
+            if cache is None:
+                cache = make_prompt_cache(model)
+                if draft_model is not None:
+                    cache += make_prompt_cache(draft_model)
+            channel.put(ctx)
+
+            input_embeddings = None
+            vision = plan.vision
+            if vision is not None:
+                n = sum(i < ctx.prompt_cache_count for i in vision.starts)
+                if pixel_values := vision.pixel_values[n:]:
+                    input_embeddings = model.embed_inputs(
+                        mx.array(rest), pixel_values=pixel_values
+                    )
+                    mx.eval(input_embeddings)
+
+            stop_matcher = stop_sequences.matcher()
+            for gen in stream_generate(
+                model=model,
+                stream=stream,
+                tokenizer=tokenizer,
+                prompt=rest,
+                max_tokens=args.max_tokens,
+                sampler=sampler,
+                logits_processors=logits_processors,
+                prompt_cache=cache,
+                draft_model=draft_model,
+                num_draft_tokens=args.num_draft_tokens,
+                input_embeddings=input_embeddings,
+                prompt_progress_callback=lambda done, total: channel.put((done, total)),
+                prefill_step_size=self.cli_args.prefill_step_size,
+                kv_bits=self.cli_args.kv_bits,
+                kv_group_size=self.cli_args.kv_group_size,
+                quantized_kv_start=self.cli_args.quantized_kv_start,
+            ):
+                finish_reason = gen.finish_reason
+                if stop_matcher.advance(gen.token):
+                    finish_reason = "stop"
+                channel.put(
+                    Response(
+                        gen.text,
+                        gen.token,
+                        gen.logprobs[gen.token].item() if args.logprobs else 0.0,
+                        finish_reason,
+                        _format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer),
+                    )
+                )
+                cache_key.append(gen.token)
+                # Ranks other than 0 can't see the client, so under
+                # mx.distributed the request runs to its end, as upstream.
+                gone = ctx._should_stop or channel.cancelled
+                if (gone and not self._is_distributed) or finish_reason is not None:
+                    break
+            channel.put(None)
+            self.prompt_cache.insert_cache(self.model_provider.model_key, cache_key, cache)
+        except Exception as e:
+            logging.exception("Sequential generation failed")
+            channel.put(e)
+
+
+class _Batch:
+    """A BatchGenerator and the requests in it, for one model."""
+
+    def __init__(self, engine: Engine, model_desc, model, tokenizer, stream):
+        self.engine = engine
+        self.model_desc = model_desc
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.model_key = engine.model_provider.model_key
+        self.results: Dict[int, Dict[str, Any]] = {}
+        self._new_generator()
+
+    def _new_generator(self):
+        args = self.engine.cli_args
+        self.generator = BatchGenerator(
+            self.model,
+            completion_batch_size=args.decode_concurrency,
+            prefill_batch_size=args.prompt_concurrency,
+            prefill_step_size=args.prefill_step_size,
+            stream=self.stream,
+        )
+
+    @property
+    def active(self) -> bool:
+        return bool(self.results)
+
+    def close(self):
+        self.generator.close()
+
+    def insert(self, channel, request, args):
+        engine = self.engine
+        tokenizer = self.tokenizer
+        try:
+            plan = engine._plan(tokenizer, request, args)
+        except PromptError as e:
+            channel.put(e)
+            return
+        stop_sequences, text_sm = engine._state_machine(tokenizer, args.stop_words)
+
+        cache, cached = engine._fetch_cache(plan.tokens)
+        segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
+
+        ctx = GenerationContext(
+            has_tool_calling=tokenizer.has_tool_calling,
+            has_thinking=tokenizer.has_thinking,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=text_sm,
+            initial_state=plan.initial_state,
+            prompt=plan.tokens,
+            prompt_cache_count=cached,
+        )
+        try:
+            (uid,) = self.generator.insert_segments(
+                segments=[segments],
+                max_tokens=[args.max_tokens],
+                caches=[cache],
+                all_tokens=[plan.tokens[:cached]],
+                samplers=[_make_sampler(args, tokenizer)],
+                logits_processors=[_make_logits_processors(args)],
+                stop_sequences=[stop_sequences],
+            )
+        except Exception as e:
+            logging.exception("Could not insert the request into the batch")
+            channel.put(e)
+            return
+        channel.put(ctx)
+        self.results[uid] = {
+            "ctx": ctx,
+            "channel": channel,
+            "detokenizer": tokenizer.detokenizer,
+            # Popped from the end as segment ends are reached.
+            "segment_types": segment_types[::-1],
+            "logprobs": args.logprobs,
+            "top_logprobs": args.top_logprobs,
+        }
+        del cache
+
+        budget = engine.cli_args.prompt_cache_bytes
+        if budget is not None:
+            engine.prompt_cache.trim_to(
+                n_bytes=budget - self.generator.prompt_cache_nbytes
+            )
+
+    def step(self) -> bool:
+        """One BatchGenerator step. Returns whether it did any work."""
+        engine = self.engine
+        # Clients that went away leave the batch wherever they are.
+        stopped = [
+            uid
+            for uid, r in self.results.items()
+            if r["ctx"]._should_stop or r["channel"].cancelled
+        ]
+        stopped = engine._share_object(stopped)
+        if stopped:
+            self.generator.remove(stopped)
+            for uid in stopped:
+                self.results.pop(uid, None)
+
+        try:
+            prompt_responses, gen_responses = self.generator.next()
+        except Exception as e:
+            self._fail_all(e)
+            return False
+        if not prompt_responses and not gen_responses:
+            return False
+
+        for r in prompt_responses:
+            self.results[r.uid]["channel"].put(r.progress)
+
+        # Store the cache at the end of every segment but the last.
+        ends = [
+            r.uid
+            for r in prompt_responses
+            if r.end_of_segment
+            and not r.end_of_prompt
+            and self.results[r.uid]["segment_types"]
+        ]
+        for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
+            engine.prompt_cache.insert_cache(
+                self.model_key,
+                tokens[:],
+                cache,
+                cache_type=self.results[uid]["segment_types"].pop(),
+            )
+
+        for r in gen_responses:
+            result = self.results[r.uid]
+            detokenizer = result["detokenizer"]
+            # The stop token itself is not decoded.
+            if r.finish_reason != "stop":
+                detokenizer.add_token(r.token)
+            if r.finish_reason is not None:
+                detokenizer.finalize()
+            result["channel"].put(
+                Response(
+                    detokenizer.last_segment,
+                    r.token,
+                    r.logprobs[r.token].item() if result["logprobs"] else 0.0,
+                    r.finish_reason,
+                    _format_top_logprobs(r.logprobs, result["top_logprobs"], self.tokenizer),
+                )
+            )
+            if r.finish_reason is not None:
+                result["channel"].put(None)
+                engine.prompt_cache.insert_cache(
+                    self.model_key, r.all_tokens[:], r.prompt_cache, cache_type="assistant"
+                )
+                del self.results[r.uid]
+        return True
+
+    def _fail_all(self, error: Exception):
+        """A step raised: fail the requests in flight and start a fresh batch."""
+        logging.exception(f"Batch step failed, failing {len(self.results)} requests")
+        for result in self.results.values():
+            result["channel"].put(error)
+        self.results.clear()
+        try:
+            self.generator.close()
+        except Exception:
+            pass
+        self._new_generator()
+
+
+def _drop_cached(segments, segment_types, n):
+    """Remove the first `n` tokens (found in the cache) from the segments."""
+    segments, segment_types = list(segments), list(segment_types)
+    while n > 0 and segments:
+        if n >= len(segments[0]):
+            n -= len(segments.pop(0))
+            segment_types.pop(0)
+        else:
+            segments[0] = segments[0][n:]
+            break
+    return segments, segment_types

@@ -1,0 +1,36 @@
+"""Model loading: mlx_lm.server's ModelProvider, with the demo default.
+
+Upstream's ModelProvider (lazy load, adapters, draft models, sharded loading
+under mx.distributed, processor for images) is reused as it is. Ours adds:
+  * with no --model, the embedded SmolLM2 demo model (converted on first use);
+  * the names a client learns from /v1/models (the resolved --model path) and
+    the --model string itself map to the default model instead of loading it
+    a second time under another key.
+"""
+
+import logging
+from pathlib import Path
+
+from mlx_lm.server import ModelProvider as UpstreamModelProvider
+
+
+def resolve_default_model(cli_args) -> None:
+    """Fill in --model with the demo model when none was given."""
+    if cli_args.model is None:
+        from .demo import demo_model_path
+
+        cli_args.model = str(demo_model_path())
+        logging.info(f"No --model given: serving the demo model at {cli_args.model}")
+
+
+class ModelProvider(UpstreamModelProvider):
+    def __init__(self, cli_args):
+        super().__init__(cli_args)
+        model = cli_args.model
+        if model is not None:
+            aliases = {model}
+            if Path(model).exists():
+                aliases.add(str(Path(model).resolve()))
+            for alias in aliases:
+                self._model_map.setdefault(alias, model)
+                self._adapter_map.setdefault(alias, cli_args.adapter_path)

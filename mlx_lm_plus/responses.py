@@ -1,0 +1,187 @@
+"""OpenAI-shaped responses, as mlx_lm.server 0.32.2 writes them.
+
+`ResponseBuilder` makes the JSON objects (`generate_response` and
+`completion_usage_response` of upstream's APIHandler). `CompletionAssembler`
+turns the engine's per-token `Response`s into text, reasoning and tool calls
+with upstream's TextStateMachine, and says when a streaming chunk is due.
+Both are plain objects with no I/O, so the shapes are testable alone.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mlx_lm.generate import TextStateMachine
+from mlx_lm.server import ToolCallFormatter
+
+
+@dataclass
+class ResponseBuilder:
+    request_id: str
+    object_type: str  # "chat.completion", "chat.completion.chunk", "text_completion"
+    model: str
+    created: int
+    system_fingerprint: str
+    stream: bool
+
+    def response(
+        self,
+        text: str,
+        finish_reason: Optional[str],
+        prompt_token_count: Optional[int] = None,
+        completion_token_count: Optional[int] = None,
+        prompt_cache_count: Optional[int] = None,
+        token_logprobs: Optional[List[float]] = None,
+        top_tokens: Optional[List[tuple]] = None,
+        tokens: Optional[List[int]] = None,
+        tool_calls: Optional[List[dict]] = None,
+        reasoning_text: Optional[str] = None,
+    ) -> Dict[str, Any]:
+        response = {
+            "id": self.request_id,
+            "system_fingerprint": self.system_fingerprint,
+            "object": self.object_type,
+            "model": self.model,
+            "created": self.created,
+            "choices": [{"index": 0, "finish_reason": finish_reason}],
+        }
+        choice = response["choices"][0]
+        if top_tokens:
+            choice["logprobs"] = {
+                "content": [dict(i[0], top_logprobs=i) if i else {} for i in top_tokens]
+            }
+        elif token_logprobs:
+            choice["logprobs"] = {
+                "content": [dict(id=i, logprob=g) for i, g in zip(tokens, token_logprobs)]
+            }
+
+        if not self.stream:
+            response["usage"] = self._usage(
+                prompt_token_count, completion_token_count, prompt_cache_count
+            )
+
+        if self.object_type.startswith("chat.completion"):
+            key = "delta" if self.stream else "message"
+            choice[key] = {"role": "assistant"}
+            if not self.stream:
+                # The schema requires "content" to be present.
+                choice[key]["content"] = text if text else None
+            elif text:
+                choice[key]["content"] = text
+            if reasoning_text:
+                choice[key]["reasoning"] = reasoning_text
+            if tool_calls:
+                choice[key]["tool_calls"] = tool_calls
+        else:
+            choice["text"] = text
+        return response
+
+    def usage_response(self, prompt_tokens, completion_tokens, cached_tokens):
+        """The extra chunk sent when stream_options.include_usage is true."""
+        return {
+            "id": self.request_id,
+            "system_fingerprint": self.system_fingerprint,
+            "object": "chat.completion",
+            "model": self.model,
+            "created": self.created,
+            "choices": [],
+            "usage": self._usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
+
+    @staticmethod
+    def _usage(prompt_tokens, completion_tokens, cached_tokens):
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if cached_tokens is not None and cached_tokens >= 0:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
+
+@dataclass
+class CompletionAssembler:
+    """Accumulates a completion from the engine's per-token Responses.
+
+    Mirrors the loop of upstream's `APIHandler.handle_completion`: text is
+    split by the TextStateMachine into normal, reasoning and tool text; a tool
+    call is complete when the state leaves "tool".
+    """
+
+    ctx: Any  # mlx_lm.server.GenerationContext
+    tools: Optional[List[Any]]
+    stream: bool
+    logprobs: bool
+    top_logprobs: int
+
+    finish_reason: str = "stop"
+    text: str = ""
+    reasoning_text: str = ""
+    tool_text: str = ""
+    tool_calls: List[str] = field(default_factory=list)
+    made_tool_call: bool = False
+    tokens: List[int] = field(default_factory=list)
+    token_logprobs: List[float] = field(default_factory=list)
+    top_tokens: List[tuple] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._sm = self.ctx.text_sm.make_state(self.ctx.initial_state)
+        self._prev_state = self.ctx.initial_state
+        self._current_state = self.ctx.initial_state
+        self.format_tool_calls = ToolCallFormatter(
+            self.ctx.tool_parser, self.tools, self.stream
+        )
+
+    def add(self, gen) -> bool:
+        """Consume one Response. Returns whether a streaming chunk is due."""
+        if gen.finish_reason == "stop":
+            self._sm, current = TextStateMachine.discard(self._sm)
+            segments = [(current, "")]
+        elif gen.finish_reason == "length":
+            self._sm, segments = TextStateMachine.split(self._sm, gen.text)
+            self._sm, flushed, current = TextStateMachine.flush(self._sm)
+            segments.append((current, flushed))
+        else:
+            self._sm, segments = TextStateMachine.split(self._sm, gen.text)
+
+        for state, clean_text in segments:
+            if state == "reasoning":
+                self.reasoning_text += clean_text
+            elif state == "tool":
+                self.tool_text += clean_text
+            elif state == "normal":
+                if self._prev_state == "tool":
+                    self.tool_calls.append(self.tool_text)
+                    self.tool_text = ""
+                    self.made_tool_call = True
+                self.text += clean_text
+            self._prev_state = state
+            self._current_state = state
+
+        self.tokens.append(gen.token)
+        if self.logprobs:
+            self.token_logprobs.append(gen.logprob)
+        if self.top_logprobs > 0:
+            self.top_tokens.append(gen.top_tokens)
+        if gen.finish_reason is not None:
+            self.finish_reason = gen.finish_reason
+
+        return (
+            self.stream
+            and self._current_state != "tool"
+            and bool(self.text or self.tool_calls or self.reasoning_text)
+        )
+
+    def take_delta(self):
+        """(text, tool_calls, reasoning) accumulated since the last chunk."""
+        delta = (self.text, self.format_tool_calls(self.tool_calls), self.reasoning_text)
+        self.text, self.tool_calls, self.reasoning_text = "", [], ""
+        return delta
+
+    def finish(self):
+        """Close a pending tool call and settle the finish reason."""
+        if self._prev_state == "tool" and self.tool_text:
+            self.tool_calls.append(self.tool_text)
+            self.made_tool_call = True
+        if self.finish_reason == "stop" and self.made_tool_call:
+            self.finish_reason = "tool_calls"

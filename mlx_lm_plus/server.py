@@ -1,0 +1,205 @@
+"""Command line entry point: the same flags as `mlx_lm.server` 0.32.2.
+
+`mlx_lm_plus.server --model X ...` takes every flag `mlx_lm.server` takes, with
+the same names, types and defaults (a test compares the two parsers). Flags of
+our own are listed in OUR_FLAGS and never change the meaning of an upstream
+flag.
+"""
+
+import argparse
+import json
+import logging
+
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.utils import _parse_size
+
+# Flags mlx_lm.server does not have. Documented in the README.
+OUR_FLAGS = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="MLX Http Server (mlx_lm_plus, drop-in for mlx_lm.server)."
+    )
+    # --- Upstream flags, verbatim in name, type and default. ---
+    parser.add_argument(
+        "--model",
+        type=str,
+        help="The path to the MLX model weights, tokenizer, and config. "
+        "Default: the embedded SmolLM2-135M-Instruct demo model.",
+    )
+    parser.add_argument(
+        "--adapter-path",
+        type=str,
+        help="Optional path for the trained adapter weights and config.",
+    )
+    parser.add_argument(
+        "--host",
+        type=str,
+        default="127.0.0.1",
+        help="Host for the HTTP server (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        help="Port for the HTTP server (default: 8080)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=lambda x: x.split(","),
+        default="*",
+        help="Allowed origins (default: *)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        type=str,
+        help="A model to be used for speculative decoding.",
+        default=None,
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        help="Number of tokens to draft when using speculative decoding.",
+        default=3,
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Enable trusting remote code for tokenizer",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str,
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="Set the logging level (default: INFO)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=str,
+        default="",
+        help="Specify a chat template for the tokenizer",
+        required=False,
+    )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="Default sampling temperature (default: 0.0)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="Default nucleus sampling top-p (default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="Default top-k sampling (default: 0, disables top-k)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="Default min-p sampling (default: 0.0, disables min-p)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="Default maximum number of tokens to generate (default: 512)",
+    )
+    parser.add_argument(
+        "--chat-template-args",
+        type=json.loads,
+        help="A JSON formatted string of arguments for the tokenizer's "
+        """apply_chat_template, e.g. '{"enable_thinking":false}'""",
+        default="{}",
+    )
+    parser.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="When a request is batchable then decode that many requests in parallel",
+    )
+    parser.add_argument(
+        "--prompt-concurrency",
+        type=int,
+        default=8,
+        help="When a request is batchable then process that many prompts in parallel",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        help="Step size for prefill processing (default: 2048)",
+    )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="Maximum number of distinct KV caches to hold in the prompt cache",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=_parse_size,
+        help="Maximum size in bytes of the KV caches",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="Number of bits for KV cache quantization (e.g., 4 or 8). "
+        "Disables batching, so requests are served one at a time.",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=64,
+        help="Group size for KV cache quantization (default: 64)",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="Token position to start KV cache quantization "
+        f"(default: {DEFAULT_QUANTIZED_KV_START})",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Use pipelining instead of tensor parallelism",
+    )
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    # Upstream keeps the unsplit default "*"; `"*" in "*"` holds, so CORS code
+    # works on both shapes. Normalise to a list for our own code.
+    if isinstance(args.allowed_origins, str):
+        args.allowed_origins = args.allowed_origins.split(",")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), None),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    from .app import run
+
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

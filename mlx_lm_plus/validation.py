@@ -1,0 +1,221 @@
+"""Request body -> (CompletionRequest, GenerationArguments), or a ValueError.
+
+Field names, defaults and error messages are those of mlx_lm.server 0.32.2
+(`APIHandler.do_POST` and `validate_model_parameters`). Where upstream accepts
+a value that later kills its generation thread, we reject it here with a
+message in the same style (see `_validate_extra`).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from mlx_lm.server import (
+    CompletionRequest,
+    GenerationArguments,
+    LogitsProcessorArguments,
+    ModelDescription,
+    SamplingArguments,
+)
+
+
+class RequestError(ValueError):
+    """A bad request: answered with `{"error": message}` and `status`."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ParsedRequest:
+    request: CompletionRequest
+    args: GenerationArguments
+    stream: bool
+    stream_options: Optional[Dict[str, Any]]
+    requested_model: str
+
+
+def _validate(params, name, expected_type, min_val=None, max_val=None,
+              optional=False, whitelist=None):
+    """Upstream's APIHandler._validate, on a dict of parameters."""
+    value = params[name]
+    if optional and value is None:
+        return
+    if not isinstance(value, expected_type):
+        try:
+            allowed = tuple(et.__name__ for et in expected_type)
+        except TypeError:
+            allowed = expected_type.__name__
+        raise RequestError(f"{name} must be of type {allowed}")
+    if whitelist is not None and value in whitelist:
+        return
+    if min_val is not None and value < min_val:
+        raise RequestError(f"{name} must be at least {min_val}")
+    if max_val is not None and value > max_val:
+        raise RequestError(f"{name} must be at most {max_val}")
+
+
+def _read_params(body: Dict[str, Any], cli) -> Dict[str, Any]:
+    max_tokens = body.get("max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", cli.max_tokens)
+    return dict(
+        stream=body.get("stream", False),
+        stream_options=body.get("stream_options", None),
+        requested_model=body.get("model", "default_model"),
+        requested_draft_model=body.get("draft_model", "default_model"),
+        num_draft_tokens=body.get("num_draft_tokens", cli.num_draft_tokens),
+        adapter=body.get("adapters", None),
+        max_tokens=max_tokens,
+        temperature=body.get("temperature", cli.temp),
+        top_p=body.get("top_p", cli.top_p),
+        top_k=body.get("top_k", cli.top_k),
+        min_p=body.get("min_p", cli.min_p),
+        repetition_penalty=body.get("repetition_penalty", 0.0),
+        repetition_context_size=body.get("repetition_context_size", 20),
+        presence_penalty=body.get("presence_penalty", 0.0),
+        presence_context_size=body.get("presence_context_size", 20),
+        frequency_penalty=body.get("frequency_penalty", 0.0),
+        frequency_context_size=body.get("frequency_context_size", 20),
+        xtc_probability=body.get("xtc_probability", 0.0),
+        xtc_threshold=body.get("xtc_threshold", 0.1),
+        logit_bias=body.get("logit_bias", None),
+        logprobs=body.get("logprobs", False),
+        top_logprobs=body.get("top_logprobs", -1),
+        seed=body.get("seed", None),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+    )
+
+
+def _validate_upstream(p: Dict[str, Any]) -> None:
+    """validate_model_parameters of mlx_lm.server 0.32.2, in its order."""
+    _validate(p, "stream", bool)
+    _validate(p, "max_tokens", int, min_val=1)
+    _validate(p, "temperature", (float, int), min_val=0)
+    _validate(p, "top_p", (float, int), min_val=0, max_val=1)
+    _validate(p, "top_k", int, min_val=0)
+    _validate(p, "min_p", (float, int), min_val=0, max_val=1)
+    _validate(p, "num_draft_tokens", int, min_val=0)
+    _validate(p, "repetition_penalty", (float, int), min_val=0)
+    _validate(p, "repetition_context_size", int, min_val=0)
+    _validate(p, "presence_penalty", (float, int))
+    _validate(p, "presence_context_size", int, min_val=0)
+    _validate(p, "frequency_penalty", (float, int))
+    _validate(p, "frequency_context_size", int, min_val=0)
+    _validate(p, "logprobs", bool)
+    _validate(p, "top_logprobs", int, min_val=0, max_val=11, whitelist=[-1])
+    _validate(p, "xtc_probability", float, min_val=0, max_val=1)
+    _validate(p, "xtc_threshold", float, min_val=0, max_val=1)
+    _validate(p, "requested_model", str)
+    _validate(p, "adapter", str, optional=True)
+    _validate(p, "seed", int, optional=True)
+    _validate(p, "logit_bias", dict, optional=True)
+    if p["logit_bias"] is not None:
+        try:
+            p["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
+        except (ValueError, TypeError) as e:
+            raise RequestError("logit_bias must be a dict of int to float") from e
+
+
+def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
+    """Checks upstream lacks, for values that crash its generation thread."""
+    options = p["stream_options"]
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError("stream_options must be of type dict")
+        if not isinstance(options.get("include_usage", False), bool):
+            raise RequestError("stream_options.include_usage must be of type bool")
+    if vocab_size is not None and p["logit_bias"]:
+        bad = [t for t in p["logit_bias"] if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
+            )
+
+
+def _stop_words(body):
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop must be a string or a list of strings")
+    return [s for s in stop if s]
+
+
+def _completion_request(path: str, body: Dict[str, Any]) -> CompletionRequest:
+    if path == "/v1/completions":
+        if "prompt" not in body:
+            raise RequestError("Request did not contain a prompt")
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise RequestError("prompt must be of type str")
+        if not prompt:
+            raise RequestError("prompt must not be empty")
+        return CompletionRequest("text", prompt, [], None, None)
+
+    if "messages" not in body:
+        raise RequestError("Request did not contain messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError("Each message must be an object with a string role")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError("Message content must be a string, a list or null")
+        if isinstance(content, list) and not all(isinstance(c, dict) for c in content):
+            raise RequestError("Message content parts must be objects")
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError("tools must be a list")
+    return CompletionRequest("chat", "", messages, tools, body.get("role_mapping"))
+
+
+def parse_request(
+    path: str, body: Any, cli, vocab_size: Optional[int] = None
+) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise RequestError("Request should be a JSON dictionary")
+    p = _read_params(body, cli)
+    _validate_upstream(p)
+    _validate_extra(p, vocab_size)
+    if p["chat_template_kwargs"] is not None and not isinstance(
+        p["chat_template_kwargs"], dict
+    ):
+        raise RequestError("chat_template_kwargs must be of type dict")
+    stop_words = _stop_words(body)
+    request = _completion_request(path, body)
+    args = GenerationArguments(
+        model=ModelDescription(
+            model=p["requested_model"],
+            draft=p["requested_draft_model"],
+            adapter=p["adapter"],
+        ),
+        sampling=SamplingArguments(
+            temperature=p["temperature"],
+            top_p=p["top_p"],
+            top_k=p["top_k"],
+            min_p=p["min_p"],
+            xtc_probability=p["xtc_probability"],
+            xtc_threshold=p["xtc_threshold"],
+        ),
+        logits=LogitsProcessorArguments(
+            logit_bias=p["logit_bias"],
+            repetition_penalty=p["repetition_penalty"],
+            repetition_context_size=p["repetition_context_size"],
+            presence_penalty=p["presence_penalty"],
+            presence_context_size=p["presence_context_size"],
+            frequency_penalty=p["frequency_penalty"],
+            frequency_context_size=p["frequency_context_size"],
+        ),
+        stop_words=stop_words,
+        max_tokens=p["max_tokens"],
+        num_draft_tokens=p["num_draft_tokens"],
+        logprobs=p["logprobs"],
+        top_logprobs=p["top_logprobs"],
+        seed=p["seed"],
+        chat_template_kwargs=p["chat_template_kwargs"],
+    )
+    return ParsedRequest(
+        request, args, p["stream"], p["stream_options"], p["requested_model"]
+    )

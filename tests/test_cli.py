@@ -1,0 +1,86 @@
+"""Our parser takes every mlx_lm.server 0.32.2 flag with its name, type and default."""
+
+import argparse
+import subprocess
+import sys
+
+import mlx_lm.server as upstream
+import pytest
+
+from mlx_lm_plus.server import OUR_FLAGS, build_parser, parse_args
+
+
+def upstream_parser() -> argparse.ArgumentParser:
+    """Upstream builds its parser inside main(): catch it at parse_args."""
+    captured = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(self, *args, **kwargs):
+        captured["parser"] = self
+        raise Captured
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(Captured):
+            upstream.main()
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return captured["parser"]
+
+
+def describe(parser):
+    out = {}
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        kind = action.type if action.type in (int, float, str, None) else "callable"
+        out[action.dest] = (
+            tuple(action.option_strings),
+            action.default,
+            kind,
+            tuple(action.choices) if action.choices else None,
+            type(action).__name__,
+            action.required,
+        )
+    return out
+
+
+def test_every_upstream_flag_same_name_type_default():
+    ours, theirs = describe(build_parser()), describe(upstream_parser())
+    assert len(theirs) == 26  # the flags of 0.32.2
+    for dest, spec in theirs.items():
+        assert ours.get(dest) == spec, dest
+    extra = {flag for spec in ours.values() for flag in spec[0]} - {
+        flag for spec in theirs.values() for flag in spec[0]
+    }
+    assert extra == set(OUR_FLAGS)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--model", "m", "--port", "9000", "--allowed-origins", "http://a,http://b"],
+        ["--temp", "0.7", "--top-k", "20", "--prompt-cache-bytes", "2GB"],
+        ["--chat-template-args", '{"enable_thinking": false}', "--kv-bits", "4"],
+    ],
+)
+def test_same_values_as_upstream(argv):
+    ours = vars(parse_args(argv))
+    theirs = vars(upstream_parser().parse_args(argv))
+    if isinstance(theirs["allowed_origins"], str):
+        theirs["allowed_origins"] = theirs["allowed_origins"].split(",")
+    assert ours == theirs
+
+
+def test_launch_forms_print_help():
+    for cmd in (
+        [sys.executable, "-m", "mlx_lm_plus.server", "--help"],
+        [sys.executable, "-m", "mlx_lm_plus", "server", "--help"],
+    ):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "--prompt-cache-bytes" in out.stdout
