@@ -1,0 +1,1 @@
+"""Black-box compatibility suite: mlx_lm_plus.server against mlx_lm.server."""

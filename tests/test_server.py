@@ -1,0 +1,212 @@
+"""End-to-end behaviour of mlx_lm_plus.server on a tiny fixture model."""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from compat.launch import OURS, ServerProcess, parse_sse
+
+SYSTEM = "You are a helpful assistant. Answer briefly and clearly."
+
+
+@pytest.fixture(scope="module")
+def server(fixture_path, tmp_path_factory):
+    model = fixture_path("qwen3")
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with ServerProcess(OURS, ["--model", str(model), "--max-tokens", "24"], log=log) as s:
+        yield s
+
+
+def chat(server, messages, **kw):
+    return server.post("/v1/chat/completions", {"messages": messages, **kw})
+
+
+def user(text):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
+def test_health_models_options_404(server):
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, models = server.get("/v1/models")
+    assert status == 200 and models["object"] == "list"
+    assert any(m["id"].endswith("qwen3") and m["object"] == "model" for m in models["data"])
+    status, headers, body = server.request("OPTIONS", "/v1/chat/completions")
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == "*"
+    assert headers["Access-Control-Allow-Methods"] == "*"
+    assert headers["Access-Control-Allow-Headers"] == "*"
+    assert server.request("GET", "/nope")[0] == 404
+    status, _, body = server.request("POST", "/v1/nope", {"x": 1})
+    assert (status, body) == (404, b"Not Found")
+
+
+def test_chat_completion_shape(server):
+    status, r = chat(server, user("Tell me about the weather today."))
+    assert status == 200, r
+    assert r["id"].startswith("chatcmpl-")
+    assert r["object"] == "chat.completion"
+    assert r["model"] == "default_model"
+    assert isinstance(r["created"], int) and r["system_fingerprint"]
+    (choice,) = r["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
+    u = r["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert 0 < u["completion_tokens"] <= 24
+    assert 0 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"]
+
+
+def test_max_tokens_gives_length(server):
+    status, r = chat(server, user("Count to ten."), max_tokens=5)
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 5
+    status, r2 = chat(server, user("Count to ten."), max_completion_tokens=3, max_tokens=9)
+    assert r2["usage"]["completion_tokens"] == 3
+
+
+def test_text_completion(server):
+    status, r = server.post("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6})
+    assert status == 200, r
+    assert r["id"].startswith("cmpl-") and r["object"] == "text_completion"
+    assert isinstance(r["choices"][0]["text"], str)
+    assert r["usage"]["completion_tokens"] == 6
+
+
+def test_streaming_sequence_matches_non_streaming(server):
+    messages = user("Write a short story about a cat and a boat. " * 4)
+    status, full = chat(server, messages, max_tokens=16)
+    status, headers, body = server.request(
+        "POST", "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 16, "stream": True,
+         "stream_options": {"include_usage": True}},
+    )
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert headers["Cache-Control"] == "no-cache"
+    events = parse_sse(body)
+    comments = [e for k, e in events if k == "comment"]
+    data = [e for k, e in events if k == "data"]
+    assert comments and all(c.startswith("keepalive ") for c in comments)
+    assert data[-1] == "[DONE]"
+    usage, final, chunks = data[-2], data[-3], data[:-3]
+    assert usage["choices"] == [] and usage["object"] == "chat.completion"
+    assert usage["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+    assert final["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    for c in chunks:
+        assert c["object"] == "chat.completion.chunk"
+        assert c["choices"][0]["finish_reason"] is None
+        assert c["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(
+        c["choices"][0]["delta"].get("content", "") for c in chunks + [final]
+    )
+    assert text == full["choices"][0]["message"]["content"]
+
+
+def test_stream_without_usage_ends_with_done(server):
+    status, _, body = server.request(
+        "POST", "/v1/chat/completions",
+        {"messages": user("hi"), "max_tokens": 4, "stream": True, "stream_options": {}},
+    )
+    data = [e for k, e in parse_sse(body) if k == "data"]
+    assert data[-1] == "[DONE]"
+    assert "usage" not in data[-2]
+
+
+def test_logprobs_shapes(server):
+    status, r = chat(server, user("Hello there"), max_tokens=4, logprobs=True)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(set(c) == {"id", "logprob"} for c in content)
+    assert all(c["logprob"] <= 0 for c in content)
+    status, r = chat(server, user("Hello there"), max_tokens=4, logprobs=True, top_logprobs=3)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for c in content:
+        assert len(c["top_logprobs"]) == 3
+        assert {"id", "token", "logprob"} <= set(c)
+        # The greedy token is the most likely one.
+        assert c["logprob"] == pytest.approx(max(t["logprob"] for t in c["top_logprobs"]))
+
+
+def test_stop_word_truncates(server):
+    messages = user("Describe a mountain village in the morning.")
+    status, r = chat(server, messages, max_tokens=24)
+    text = r["choices"][0]["message"]["content"]
+    # A word from the middle of the greedy answer becomes a stop word.
+    words = [w for w in text.split() if len(w) > 2]
+    assert words, text
+    stop = words[len(words) // 2]
+    status, r2 = chat(server, messages, max_tokens=24, stop=[stop])
+    text2 = r2["choices"][0]["message"]["content"] or ""
+    assert r2["choices"][0]["finish_reason"] == "stop"
+    assert stop not in text2
+    assert text.startswith(text2.rstrip()[: max(0, len(text2) - 2)])
+
+
+def test_validation_errors_match_upstream(server):
+    cases = [
+        ({"messages": user("x"), "temperature": -1}, "temperature must be at least 0"),
+        ({"messages": user("x"), "top_p": 2}, "top_p must be at most 1"),
+        ({"messages": user("x"), "max_tokens": "a"}, "max_tokens must be of type int"),
+        ({"messages": user("x"), "stream": "yes"}, "stream must be of type bool"),
+        ({"messages": user("x"), "top_logprobs": 12}, "top_logprobs must be at most 11"),
+        ({"messages": user("x"), "logit_bias": {"a": 1}}, "logit_bias must be a dict of int to float"),
+        ({"messages": user("x"), "xtc_probability": 1}, "xtc_probability must be of type float"),
+        ({"prompt": "x"}, "Request did not contain messages"),
+    ]
+    for body, message in cases:
+        status, r = chat(server, **body) if "messages" in body else server.post(
+            "/v1/chat/completions", body)
+        assert (status, r) == (400, {"error": message}), body
+    status, r = server.post("/v1/completions", {"messages": []})
+    assert (status, r) == (400, {"error": "Request did not contain a prompt"})
+    status, _, body = server.request("POST", "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and json.loads(body)["error"].startswith("Invalid JSON in request body:")
+    status, _, body = server.request("POST", "/v1/chat/completions", raw=b"[1, 2]")
+    assert (status, json.loads(body)) == (400, {"error": "Request should be a JSON dictionary"})
+    assert server.get("/health") == (200, {"status": "ok"})
+
+
+def test_seeded_sequential_path_equals_batched_greedy(server):
+    messages = user("What is a good name for a dog?")
+    _, batched = chat(server, messages, max_tokens=12)
+    _, seeded = chat(server, messages, max_tokens=12, seed=7)
+    assert seeded["choices"][0]["message"] == batched["choices"][0]["message"]
+
+
+def test_second_turn_reports_cached_tokens(server):
+    messages = user("Plan a trip to the sea with three stops and a picnic.")
+    _, r1 = chat(server, messages, max_tokens=8)
+    reply = r1["choices"][0]["message"]["content"]
+    messages2 = messages + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And what should we eat?"},
+    ]
+    _, r2 = chat(server, messages2, max_tokens=8)
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert r1["usage"]["prompt_tokens"] <= cached < r2["usage"]["prompt_tokens"]
+
+
+async def _stream_text(session, url, messages, max_tokens):
+    body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        events = parse_sse(await resp.read())
+    data = [e for k, e in events if k == "data" and e != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in data)
+
+
+def test_concurrent_streams_equal_sequential(server):
+    prompts = [user(("Story number %d about rivers. " % i) * (1 + 3 * i)) for i in range(8)]
+    sequential = [chat(server, m, max_tokens=16)[1]["choices"][0]["message"]["content"]
+                  for m in prompts]
+
+    async def run_all():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(
+                *(_stream_text(session, server.url, m, 16) for m in prompts)
+            )
+
+    concurrent = asyncio.run(run_all())
+    assert concurrent == sequential
