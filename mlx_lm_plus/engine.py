@@ -270,7 +270,11 @@ class Engine:
                 if channel.cancelled and not self._is_distributed:
                     continue
                 batchable = self._is_batchable(req, args)
-                if batch is not None and batch.model_desc == args.model and batchable:
+                same_model = (
+                    batch is not None
+                    and self.model_provider.key_for(args.model) == batch.model_key
+                )
+                if same_model and batchable:
                     batch.insert(channel, req, args)
                 elif batch is None:
                     try:
@@ -281,7 +285,7 @@ class Engine:
                     if not batchable:
                         self._serve_single(channel, req, args, stream)
                         continue
-                    batch = _Batch(self, args.model, model, tokenizer, stream)
+                    batch = _Batch(self, model, tokenizer, stream)
                     pending.append(request)
                 else:
                     # A different model or a sequential request: finish the
@@ -396,9 +400,8 @@ class Engine:
 class _Batch:
     """A BatchGenerator and the requests in it, for one model."""
 
-    def __init__(self, engine: Engine, model_desc, model, tokenizer, stream):
+    def __init__(self, engine: Engine, model, tokenizer, stream):
         self.engine = engine
-        self.model_desc = model_desc
         self.model = model
         self.tokenizer = tokenizer
         self.stream = stream

@@ -34,3 +34,10 @@ class ModelProvider(UpstreamModelProvider):
             for alias in aliases:
                 self._model_map.setdefault(alias, model)
                 self._adapter_map.setdefault(alias, cli_args.adapter_path)
+
+    def key_for(self, desc):
+        """The (model, adapter, draft) key `load` would use for a request."""
+        adapter = self._adapter_map.get(desc.model, desc.adapter)
+        model = self._model_map.get(desc.model, desc.model)
+        draft = self._draft_model_map.get(desc.draft, desc.draft)
+        return (model, adapter, draft)

@@ -1,0 +1,56 @@
+"""Under `mlx.launch --backend ring -n 2`, ours answers as upstream does.
+
+The ring backend runs on CPU on one machine: rank 0 serves HTTP, both ranks
+compute (the request is shared with an all_sum, as upstream does).
+"""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from compat.launch import ServerProcess
+
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+REQUESTS = [
+    {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 10},
+    {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 10,
+     "seed": 5},
+    {"prompt": "Once upon a time", "max_tokens": 8},
+]
+
+
+def answers(server):
+    out = []
+    for body in REQUESTS:
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        status, r = server.post(path, body, timeout=120)
+        assert status == 200, r
+        choice = r["choices"][0]
+        out.append(choice.get("text", choice.get("message", {}).get("content")))
+    return out
+
+
+def ring(program, model, port, log):
+    # mlx.launch picks the ring ports from --starting-port; keep runs apart.
+    return ServerProcess(
+        [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(port + 100), "--",
+         program, "--model", str(model)],
+        [], log=log, port=port, startup_timeout=180,
+    )
+
+
+@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch not installed")
+def test_ring_two_ranks_same_answers_as_upstream(fixture_path, tmp_path):
+    from compat.launch import free_port
+
+    model = fixture_path("qwen3")
+    bindir = Path(sys.executable).parent
+    results = {}
+    for name in ("mlx_lm.server", "mlx_lm_plus.server"):
+        with ring(str(bindir / name), model, free_port(), tmp_path / f"{name}.log") as s:
+            results[name] = answers(s)
+            assert s.get("/health") == (200, {"status": "ok"})
+    assert results["mlx_lm_plus.server"] == results["mlx_lm.server"]
+    assert all(results["mlx_lm.server"])

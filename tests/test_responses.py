@@ -1,0 +1,89 @@
+"""Text, reasoning and tool calls assembled from per-token responses.
+
+A random fixture model never emits <think> or <tool_call> (their logits are
+zeroed), so the assembly is tested here on scripted token texts, with the
+fixture's real tokenizer, TextStateMachine and tool parser.
+"""
+
+import json
+
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import make_text_state_machine
+from mlx_lm.server import GenerationContext, Response
+
+from mlx_lm_plus.responses import CompletionAssembler, ResponseBuilder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(fixture_path):
+    return load(str(fixture_path("qwen3")))[1]
+
+
+def ctx_for(tokenizer, initial_state="normal"):
+    return GenerationContext(
+        has_tool_calling=tokenizer.has_tool_calling,
+        has_thinking=tokenizer.has_thinking,
+        tool_parser=tokenizer.tool_parser,
+        text_sm=make_text_state_machine(tokenizer),
+        initial_state=initial_state,
+        prompt=[1, 2, 3],
+    )
+
+
+def feed(assembler, pieces, finish="stop"):
+    chunks = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        if assembler.add(Response(piece, i, -0.5, finish if last else None, ())):
+            chunks.append(assembler.take_delta())
+    assembler.finish()
+    return chunks
+
+
+TOOL_PIECES = ["Let me", " check.", "<tool_call>", '\n{"name": "get_weather", ',
+               '"arguments": {"city": "Paris"}}\n', "</tool_call>", ""]
+
+
+def test_tool_call_non_streaming(tokenizer):
+    a = CompletionAssembler(ctx_for(tokenizer), None, False, False, -1)
+    feed(a, TOOL_PIECES)
+    assert a.finish_reason == "tool_calls"
+    assert a.text == "Let me check."
+    (call,) = a.format_tool_calls(a.tool_calls)
+    assert call["type"] == "function" and call["id"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert "index" not in call
+
+
+def test_tool_call_streaming_deltas(tokenizer):
+    a = CompletionAssembler(ctx_for(tokenizer), None, True, False, -1)
+    chunks = feed(a, TOOL_PIECES)
+    text = "".join(c[0] for c in chunks)
+    calls = [call for c in chunks for call in c[1]]
+    assert text == "Let me check."
+    (call,) = calls
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    assert a.finish_reason == "tool_calls"
+
+
+def test_reasoning_split(tokenizer):
+    a = CompletionAssembler(ctx_for(tokenizer), None, False, False, -1)
+    feed(a, ["<think>", "The sky", " is blue.", "</think>", "Blue."])
+    assert (a.reasoning_text, a.text, a.finish_reason) == ("The sky is blue.", "Blue.", "stop")
+    # A generation prompt that already opened <think> starts in "reasoning".
+    a = CompletionAssembler(ctx_for(tokenizer, "reasoning"), None, False, False, -1)
+    feed(a, ["Hmm.", "</think>", "Yes."], finish="length")
+    assert (a.reasoning_text, a.text, a.finish_reason) == ("Hmm.", "Yes.", "length")
+
+
+def test_message_shape_with_reasoning_and_tools():
+    b = ResponseBuilder("chatcmpl-1", "chat.completion", "m", 1, "fp", False)
+    r = b.response("", "tool_calls", 5, 2, 3, reasoning_text="why",
+                   tool_calls=[{"id": "x", "type": "function", "function": {}}])
+    msg = r["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": None, "reasoning": "why",
+                   "tool_calls": [{"id": "x", "type": "function", "function": {}}]}
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": 3}}
