@@ -1,0 +1,144 @@
+"""The HTTP layer alone: aiohttp handlers against a scripted engine."""
+
+import asyncio
+import json
+import threading
+from argparse import Namespace
+
+import pytest
+from mlx_lm.server import GenerationContext, Response
+from mlx_lm.generate import TextStateMachine
+
+from mlx_lm_plus.api import Server, make_app
+from mlx_lm_plus.engine import EngineUnavailable, PromptError
+from mlx_lm_plus.server import parse_args
+
+
+class ScriptedEngine:
+    """Answers each submission from a script, on another thread like the real one."""
+
+    def __init__(self, script=None):
+        self.script = script or []
+        self.healthy = True
+        self.channels = []
+
+    @property
+    def is_healthy(self):
+        return self.healthy
+
+    def submit(self, channel, request, args):
+        if not self.healthy:
+            raise EngineUnavailable("generation thread died")
+        self.channels.append(channel)
+        threading.Thread(target=self._play, args=(channel,), daemon=True).start()
+
+    def _play(self, channel):
+        for item in self.script:
+            if callable(item):
+                item(channel)
+            else:
+                channel.put(item)
+
+
+def ctx(prompt_len=5, cached=2):
+    return GenerationContext(False, False, None, TextStateMachine(), "normal",
+                             list(range(prompt_len)), cached)
+
+
+def tokens(*texts, finish="stop"):
+    return [Response(t, i, -0.1, finish if i == len(texts) - 1 else None, ())
+            for i, t in enumerate(texts)] + [None]
+
+
+def make_client(aiohttp_client, engine, argv=()):
+    args = parse_args(["--model", "m", *argv])
+    server = Server(args, engine, Namespace(model=None, tokenizer=None), "fp")
+    return aiohttp_client(make_app(server))
+
+
+async def test_cors_allowed_origins_echo_and_vary(aiohttp_client):
+    client = await make_client(aiohttp_client, ScriptedEngine(),
+                               ["--allowed-origins", "http://a.test,http://b.test"])
+    r = await client.get("/health", headers={"Origin": "http://b.test"})
+    assert r.headers["Access-Control-Allow-Origin"] == "http://b.test"
+    assert r.headers["Vary"] == "Origin"
+    r = await client.get("/health", headers={"Origin": "http://evil.test"})
+    assert "Access-Control-Allow-Origin" not in r.headers
+    assert r.headers["Access-Control-Allow-Methods"] == "*"
+
+
+async def test_body_errors(aiohttp_client):
+    client = await make_client(aiohttp_client, ScriptedEngine())
+    r = await client.post("/v1/chat/completions", data=b"\xff\xfe{}",
+                          headers={"Content-Type": "application/json"})
+    assert r.status == 400 and "UTF-8" in (await r.json())["error"]
+
+    async def chunks():
+        yield b'{"messages": []}'
+
+    r = await client.post("/v1/chat/completions", data=chunks())
+    assert r.status == 411
+    assert await r.json() == {"error": "Content-Length header is required"}
+
+
+async def test_engine_down_is_503_and_health_says_so(aiohttp_client):
+    engine = ScriptedEngine()
+    engine.healthy = False
+    client = await make_client(aiohttp_client, engine)
+    r = await client.get("/health")
+    assert (r.status, await r.json()) == (503, {"status": "unavailable"})
+    r = await client.post("/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "x"}]})
+    assert (r.status, await r.json()) == (503, {"error": "generation thread died"})
+
+
+async def test_prompt_error_is_400(aiohttp_client):
+    engine = ScriptedEngine([PromptError("Only 'text' content type is supported.")])
+    client = await make_client(aiohttp_client, engine)
+    r = await client.post("/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "x"}]})
+    assert (r.status, await r.json()) == (400, {"error": "Only 'text' content type is supported."})
+
+
+async def test_stream_keepalives_then_chunks(aiohttp_client):
+    engine = ScriptedEngine([ctx(), (2, 5), (5, 5), *tokens("Hel", "lo", "")])
+    client = await make_client(aiohttp_client, engine)
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "stream": True,
+        "stream_options": {"include_usage": True}})
+    body = (await r.read()).decode()
+    blocks = [b for b in body.split("\n\n") if b]
+    assert blocks[:2] == [": keepalive 2/5", ": keepalive 5/5"]
+    data = [json.loads(b[6:]) for b in blocks[2:-1]]
+    assert blocks[-1] == "data: [DONE]"
+    assert [d["choices"][0]["delta"].get("content") for d in data[:-1]] == ["Hel", "lo", None]
+    assert data[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                 "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+async def test_client_disconnect_cancels_the_request(aiohttp_client):
+    started = threading.Event()
+    # The engine accepts the request and then "decodes" forever.
+    engine = ScriptedEngine([ctx(), lambda ch: started.set()])
+    client = await make_client(aiohttp_client, engine)
+    for stream in (False, True):
+        started.clear()
+        task = asyncio.create_task(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "stream": stream}))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        await asyncio.sleep(0.1)
+        if stream:
+            # The headers are in: the client reads a little and hangs up.
+            response = await task
+            assert response.status == 200
+            response.close()
+        else:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        channel = engine.channels[-1]
+        for _ in range(50):
+            if channel.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert channel.cancelled, f"stream={stream}"
