@@ -132,6 +132,12 @@ def cases():
         Case("err_invalid_json", raw=b"{not json"),
         Case("err_json_list", raw=b"[1, 2]"),
         # Inputs that kill upstream's generation thread (see EXCEPTIONS).
+        Case("stream_options_empty", body=_chat(stream=True, stream_options={})),
+        Case("image_to_text_model", body={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}),
+        Case("fatal_top_k_over_vocab", body=_chat(temperature=0.7, top_k=10**6),
+             fatal_upstream=True),
         Case("fatal_stop_ints", body=_chat(stop=[1, 2]), fatal_upstream=True),
         Case("fatal_empty_prompt", "/v1/completions", body={"prompt": ""}, fatal_upstream=True),
     ]
@@ -141,6 +147,12 @@ def cases():
 # Differences we make on purpose: case name -> why. Every other difference in
 # structure or greedy text is a compatibility bug.
 EXCEPTIONS = {
+    "stream_options_empty": "upstream: KeyError after the last chunk, the stream ends "
+    "without [DONE]; ours: no usage chunk, then [DONE]",
+    "image_to_text_model": "upstream: 404 'Only 'text' content type is supported.'; "
+    "ours: the same message with 400 (it is a bad request, not a missing model)",
+    "fatal_top_k_over_vocab": "upstream: top_k larger than the vocabulary kills the "
+    "generation thread; ours: 400 'top_k must be at most <vocab size>'",
     "fatal_stop_ints": "upstream: the generation thread dies on non-string stop words "
     "and every later request fails; ours: 400 'stop must be a string or a list of strings'",
     "fatal_empty_prompt": "upstream: the generation thread dies on an empty prompt; "

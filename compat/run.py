@@ -65,9 +65,13 @@ def _body(data: bytes, content_type: str):
 
 
 def record_case(server: ServerProcess, case: Case) -> Dict[str, Any]:
-    status, headers, data = server.request(
-        case.method, case.path, body=case.body, raw=case.raw, headers=case.headers
-    )
+    try:
+        status, headers, data = server.request(
+            case.method, case.path, body=case.body, raw=case.raw, headers=case.headers
+        )
+    except (ConnectionError, OSError) as e:
+        # http.client's RemoteDisconnected and friends: no answer at all.
+        return {"status": None, "closed": type(e).__name__}
     lower = {k.lower(): v for k, v in headers.items()}
     return {
         "status": status,

@@ -494,6 +494,7 @@ class _Batch:
             self.generator.remove(stopped)
             for uid in stopped:
                 self.results.pop(uid, None)
+            logging.info(f"Removed {len(stopped)} cancelled request(s) from the batch")
 
         try:
             prompt_responses, gen_responses = self.generator.next()

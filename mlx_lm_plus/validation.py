@@ -125,6 +125,9 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
             raise RequestError("stream_options must be of type dict")
         if not isinstance(options.get("include_usage", False), bool):
             raise RequestError("stream_options.include_usage must be of type bool")
+    if vocab_size is not None and p["top_k"] > vocab_size:
+        # Upstream's top-k sampler fails on the generation thread and kills it.
+        raise RequestError(f"top_k must be at most {vocab_size}")
     if vocab_size is not None and p["logit_bias"]:
         bad = [t for t in p["logit_bias"] if not 0 <= t < vocab_size]
         if bad:

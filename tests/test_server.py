@@ -210,3 +210,32 @@ def test_concurrent_streams_equal_sequential(server):
 
     concurrent = asyncio.run(run_all())
     assert concurrent == sequential
+
+
+def _log_count(server, text):
+    return server.log_tail(10**7).count(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_removes_request_from_batch(server, stream):
+    import socket
+    import time
+
+    before = _log_count(server, "cancelled request(s) from the batch")
+    body = json.dumps({"messages": user("Tell me everything about the sea. " * 30),
+                       "max_tokens": 100000, "stream": stream}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(1.0)
+    sock.close()
+    for _ in range(100):
+        if _log_count(server, "cancelled request(s) from the batch") > before:
+            break
+        time.sleep(0.1)
+    assert _log_count(server, "cancelled request(s) from the batch") == before + 1
+    # The server goes on serving.
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, r = chat(server, user("hi"), max_tokens=3)
+    assert status == 200 and r["usage"]["completion_tokens"] == 3
