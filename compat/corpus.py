@@ -6,7 +6,7 @@ run last. Their differences are documented in EXCEPTIONS.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 SYSTEM = "You are a helpful assistant. Answer briefly and clearly."
 TOOLS = [
@@ -33,7 +33,10 @@ class Case:
     body: Any = None
     raw: Optional[bytes] = None
     headers: Dict[str, str] = field(default_factory=dict)
-    # Upstream's generation thread dies on this case: run it last.
+    # Requests sent (unrecorded) just before this one.
+    setup: List[Any] = field(default_factory=list)
+    # Upstream's generation thread dies on this case (on some models): run it
+    # last.
     fatal_upstream: bool = False
 
 
@@ -91,7 +94,8 @@ def cases():
              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 20C"},
         ], "tools": TOOLS, "max_tokens": 8}),
-        Case("chat_no_thinking", body=_chat(chat_template_kwargs={"enable_thinking": False})),
+        Case("chat_no_thinking", body=_chat("Thinking off: name a city.",
+                                            chat_template_kwargs={"enable_thinking": False})),
         Case("chat_role_mapping", body=_chat(role_mapping={"user": "U: "})),
         Case("chat_penalties", body=_chat(repetition_penalty=1.3, presence_penalty=0.5,
                                           frequency_penalty=0.5, max_tokens=16)),
@@ -138,6 +142,10 @@ def cases():
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}),
         Case("fatal_top_k_over_vocab", body=_chat(temperature=0.7, top_k=10**6),
              fatal_upstream=True),
+        Case("fatal_thinking_toggle", body=_chat("Toggle: what is a lake?"),
+             setup=[_chat("Toggle: what is a lake?",
+                          chat_template_kwargs={"enable_thinking": False})],
+             fatal_upstream=True),
         Case("fatal_stop_ints", body=_chat(stop=[1, 2]), fatal_upstream=True),
         Case("fatal_empty_prompt", "/v1/completions", body={"prompt": ""}, fatal_upstream=True),
     ]
@@ -147,6 +155,14 @@ def cases():
 # Differences we make on purpose: case name -> why. Every other difference in
 # structure or greedy text is a compatibility bug.
 EXCEPTIONS = {
+    "fatal_thinking_toggle": "upstream, on hybrid models (non-trimmable caches): a "
+    "request with enable_thinking false stores a checkpoint equal to the whole prompt "
+    "of the same request with thinking on; that request then hits it exactly and "
+    "upstream passes an empty prompt to insert_segments: the generation thread dies. "
+    "Ours recomputes the last token and answers",
+    "chat_top_logprobs": "upstream: each entry is top_logprobs[0], an arbitrary member "
+    "of the top-k in argpartition order; ours: the sampled token's entry, and the "
+    "top-k sorted by probability",
     "stream_options_empty": "upstream: KeyError after the last chunk, the stream ends "
     "without [DONE]; ours: no usage chunk, then [DONE]",
     "image_to_text_model": "upstream: 404 'Only 'text' content type is supported.'; "

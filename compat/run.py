@@ -65,6 +65,8 @@ def _body(data: bytes, content_type: str):
 
 
 def record_case(server: ServerProcess, case: Case) -> Dict[str, Any]:
+    for body in case.setup:
+        server.request("POST", case.path, body=body)
     try:
         status, headers, data = server.request(
             case.method, case.path, body=case.body, raw=case.raw, headers=case.headers

@@ -49,10 +49,10 @@ from mlx_lm.server import (
     GenerationContext,
     Response,
     TimeBudget,
-    _format_top_logprobs,
     _make_logits_processors,
     _make_sampler,
 )
+from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
 from .prompt import build_prompt, template_kwargs
 
@@ -559,6 +559,12 @@ class _Batch:
         except Exception:
             pass
         self._new_generator()
+
+
+def _format_top_logprobs(logprobs, top_n, tokenizer):
+    """Upstream's top-k entries, sorted by probability (most likely first)."""
+    top = _upstream_top_logprobs(logprobs, top_n, tokenizer)
+    return tuple(sorted(top, key=lambda t: -t["logprob"]))
 
 
 def _drop_cached(segments, segment_types, n):

@@ -46,8 +46,15 @@ class ResponseBuilder:
         }
         choice = response["choices"][0]
         if top_tokens:
+            # Upstream makes the entry of i[0], an arbitrary member of the
+            # top-k (argpartition order). Ours is the sampled token's own entry
+            # when it is in the top-k (always, when greedy), and the top-k come
+            # sorted by probability.
             choice["logprobs"] = {
-                "content": [dict(i[0], top_logprobs=i) if i else {} for i in top_tokens]
+                "content": [
+                    dict(_entry_of(i, t), top_logprobs=i) if i else {}
+                    for i, t in zip(top_tokens, tokens or [None] * len(top_tokens))
+                ]
             }
         elif token_logprobs:
             choice["logprobs"] = {
@@ -97,6 +104,10 @@ class ResponseBuilder:
         if cached_tokens is not None and cached_tokens >= 0:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
+
+
+def _entry_of(top: tuple, token) -> dict:
+    return next((t for t in top if t["id"] == token), top[0])
 
 
 @dataclass

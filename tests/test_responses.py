@@ -70,7 +70,7 @@ def test_tool_call_streaming_deltas(tokenizer):
 
 def test_reasoning_split(tokenizer):
     a = CompletionAssembler(ctx_for(tokenizer), None, False, False, -1)
-    feed(a, ["<think>", "The sky", " is blue.", "</think>", "Blue."])
+    feed(a, ["<think>", "The sky", " is blue.", "</think>", "Blue.", ""])
     assert (a.reasoning_text, a.text, a.finish_reason) == ("The sky is blue.", "Blue.", "stop")
     # A generation prompt that already opened <think> starts in "reasoning".
     a = CompletionAssembler(ctx_for(tokenizer, "reasoning"), None, False, False, -1)

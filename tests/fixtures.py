@@ -1,0 +1,273 @@
+"""Tiny random-weight model folders, built offline in seconds.
+
+    from tests.fixtures import build_fixture
+    path = build_fixture("qwen3", root)        # a folder mlx_lm.load() takes
+
+    python -m tests.fixtures KIND OUTDIR       # prints the folder
+
+Used by the tests, the compat suite and the benchmarks. Every kind shares one
+byte-level BPE tokenizer (trained here with `tokenizers`, ~512 tokens) and a
+Qwen3-style chat template (system, tools, tool calls and responses, thinking
+blocks of earlier assistant turns dropped, `enable_thinking`).
+
+Random models are made usable, and sensitive enough that "output with cache
+== output without cache" is a real test:
+  * untied embeddings, float32, all matrices x2 (default init is too flat);
+  * q/k norm weights x3 (sharp, position-sensitive attention);
+  * hybrids: slower recurrent decay, so early tokens still steer the state;
+  * the lm_head rows of special tokens zeroed, so a random model never stops
+    or switches into thinking/tool state by chance.
+Building is deterministic (fixed seeds) and idempotent (a marker file).
+"""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
+VERSION = 4
+
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- if message.tool_calls %}
+{%- for tool_call in message.tool_calls %}
+{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}
+{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+WORDS = (
+    "the a an of to in on at by for with from and or but not is are was were be "
+    "cat dog bird fish horse river sea lake mountain village city road boat train "
+    "morning evening night day week year story weather trip picnic bread fruit water "
+    "tell write count name answer question help plan describe explain list show "
+    "good bad big small red blue green old new first last next short long quick "
+    "you we they it he she assistant user system tool function call result city "
+    "paris london tokyo rome berlin france japan italy capital country people "
+    "one two three four five six seven eight nine ten hundred thousand"
+).split()
+
+
+def _corpus(n=3000):
+    rng = random.Random(0)
+    lines = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
+        if i % 7 == 0:
+            words.append(str(rng.randint(0, 99999)))
+        sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ",", ":"])
+        if i % 11 == 0:
+            sentence = json.dumps({"name": rng.choice(WORDS), "arguments": {"x": sentence}})
+        lines.append(sentence + ("\n" if i % 5 == 0 else ""))
+    return lines
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 32768,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def _config(kind: str, vocab: int) -> dict:
+    attn = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    )
+    if kind == "qwen3":
+        return dict(model_type="qwen3", num_hidden_layers=2, rope_theta=10000.0, **attn)
+    if kind == "llama":
+        return dict(model_type="llama", num_hidden_layers=2, rope_theta=10000.0, **attn)
+    if kind == "gemma3_text":
+        return dict(
+            model_type="gemma3_text",
+            num_hidden_layers=4,
+            sliding_window=32,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=16,
+            rope_theta=10000.0,
+            rope_local_base_freq=10000.0,
+            **attn,
+        )
+    if kind == "qwen3_5":
+        return dict(
+            model_type="qwen3_5",
+            num_hidden_layers=4,
+            full_attention_interval=2,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "type": "default",
+                "mrope_section": [2, 1, 1],
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            **attn,
+        )
+    if kind == "mamba2":
+        return dict(
+            model_type="mamba2",
+            num_heads=8,
+            head_dim=16,
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            state_size=16,
+            num_hidden_layers=2,
+            layer_norm_epsilon=1e-5,
+            conv_kernel=4,
+            n_groups=1,
+            use_bias=False,
+            use_conv_bias=True,
+            tie_word_embeddings=False,
+            time_step_limit=[0.0, float("inf")],
+            time_step_rank="auto",
+        )
+    raise ValueError(f"unknown fixture kind {kind!r}; one of {FIXTURE_KINDS}")
+
+
+def _make_usable(weights: dict, special_ids, kind: str) -> dict:
+    import mlx.core as mx
+
+    out = {}
+    for name, w in weights.items():
+        if w.ndim == 2 and "conv" not in name:
+            w = w * 2.0
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            w = w * 3.0
+        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # No q/k norms to sharpen: sharpen the projections instead.
+            w = w * 1.5
+        if kind == "qwen3_5" and name.endswith("A_log"):
+            # Slow decay: the gated delta rule keeps early tokens longer.
+            w = mx.full(w.shape, -3.0)
+        if kind == "mamba2":
+            # Slow decay (small A, small dt) and stronger input/output
+            # projections, tuned until dropping any one prompt token changes
+            # the greedy output (tests/test_fixtures.py).
+            if name.endswith("A_log"):
+                w = mx.full(w.shape, -4.0)
+            elif name.endswith("dt_bias"):
+                w = mx.full(w.shape, -2.0)
+            elif name.endswith(("in_proj.weight", "out_proj.weight")):
+                w = w * 2.0
+        out[name] = w
+    head = "lm_head.weight"
+    heads = [k for k in out if k.endswith(head)]
+    for k in heads:
+        mask = mx.ones((out[k].shape[0], 1))
+        mask[mx.array(special_ids)] = 0.0
+        out[k] = out[k] * mask
+    return out
+
+
+def build_fixture(kind: str, root) -> Path:
+    """Build (or reuse) the fixture `kind` under `root`; returns its folder."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    out = Path(root) / kind
+    marker = out / "fixture.json"
+    if marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out)
+    config = _config(kind, vocab)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(1234)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx.float32)
+    weights = dict(tree_flatten(model.parameters()))
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    special_ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    weights = _make_usable(weights, special_ids, kind)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    marker.write_text(
+        json.dumps({"version": VERSION, "kind": kind, "special_token_ids": special_ids})
+    )
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tests.fixtures KIND OUTDIR")
+    print(build_fixture(sys.argv[1], sys.argv[2]))
