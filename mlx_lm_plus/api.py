@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .engine import Channel, EngineUnavailable, ModelLoadError, PromptError
+from .engine import Channel, EngineUnavailable, PromptError
 from .responses import CompletionAssembler, ResponseBuilder
 from .validation import RequestError, parse_request
 
@@ -296,12 +296,8 @@ class Server:
 def _status_of(error: Exception) -> int:
     if isinstance(error, PromptError):
         return 400
-    if isinstance(error, RequestError):
-        return error.status
-    # Upstream answers 404 for anything raised before generation starts
-    # (mostly a model that could not be loaded).
-    if isinstance(error, ModelLoadError):
-        return 404
+    # Upstream answers 404 for anything raised before generation starts,
+    # mostly a model that could not be loaded (ModelLoadError).
     return 404
 
 

@@ -182,6 +182,19 @@ class Engine:
             )
         return self._state_machines[key]
 
+    def _context(self, tokenizer, plan, args):
+        """(GenerationContext, StopSequences) of a planned request."""
+        stop_sequences, text_sm = self._state_machine(tokenizer, args.stop_words)
+        ctx = GenerationContext(
+            has_tool_calling=tokenizer.has_tool_calling,
+            has_thinking=tokenizer.has_thinking,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=text_sm,
+            initial_state=plan.initial_state,
+            prompt=plan.tokens,
+        )
+        return ctx, stop_sequences
+
     def _plan(self, tokenizer, request, args):
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
@@ -320,15 +333,7 @@ class Engine:
             tokenizer = self.model_provider.tokenizer
             draft_model = self.model_provider.draft_model
             plan = self._plan(tokenizer, request, args)
-            stop_sequences, text_sm = self._state_machine(tokenizer, args.stop_words)
-            ctx = GenerationContext(
-                has_tool_calling=tokenizer.has_tool_calling,
-                has_thinking=tokenizer.has_thinking,
-                tool_parser=tokenizer.tool_parser,
-                text_sm=text_sm,
-                initial_state=plan.initial_state,
-                prompt=plan.tokens,
-            )
+            ctx, stop_sequences = self._context(tokenizer, plan, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
             sampler = _make_sampler(args, tokenizer)
@@ -434,20 +439,10 @@ class _Batch:
         except PromptError as e:
             channel.put(e)
             return
-        stop_sequences, text_sm = engine._state_machine(tokenizer, args.stop_words)
-
         cache, cached = engine._fetch_cache(plan.tokens)
         segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
-
-        ctx = GenerationContext(
-            has_tool_calling=tokenizer.has_tool_calling,
-            has_thinking=tokenizer.has_thinking,
-            tool_parser=tokenizer.tool_parser,
-            text_sm=text_sm,
-            initial_state=plan.initial_state,
-            prompt=plan.tokens,
-            prompt_cache_count=cached,
-        )
+        ctx, stop_sequences = engine._context(tokenizer, plan, args)
+        ctx.prompt_cache_count = cached
         try:
             (uid,) = self.generator.insert_segments(
                 segments=[segments],

@@ -8,7 +8,7 @@ thinking start of the generation prompt. The prompt cache stores an entry at
 the end of each segment but the last.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.server import (
@@ -32,7 +32,6 @@ class PromptPlan:
     # generation prompt already opened a thinking block.
     initial_state: str = "normal"
     vision: Optional[Vision] = None
-    tools: Optional[List[Any]] = field(default=None)
 
     @property
     def cache_key(self) -> List[int]:
