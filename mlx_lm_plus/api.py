@@ -98,6 +98,8 @@ class Server:
                 return await self.handle_models(request)
             if request.path == "/health":
                 return self.handle_health(request)
+            if request.path == "/v1/cache/stats":
+                return self.json_response(request, self.engine.store.snapshot())
             return self.not_found(request)
         if request.method == "POST":
             if request.path not in COMPLETION_PATHS:

@@ -6,11 +6,11 @@ import signal
 
 import mlx.core as mx
 from aiohttp import web
-from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .api import Server, make_app
+from .cache import PromptStore, default_budget
 from .engine import Engine
 from .models import ModelProvider, resolve_default_model
 
@@ -19,8 +19,19 @@ def build(cli_args):
     """(engine, server) for these arguments; the engine is not started."""
     resolve_default_model(cli_args)
     model_provider = ModelProvider(cli_args)
-    prompt_cache = LRUPromptCache(cli_args.prompt_cache_size)
-    engine = Engine(model_provider, prompt_cache)
+    budget = cli_args.prompt_cache_bytes
+    if budget is None:
+        budget = default_budget()
+        logging.info(
+            f"Prompt cache budget: {budget / 1e9:.2f} GB (default: 20% of memory; "
+            "--prompt-cache-bytes sets it)"
+        )
+    store = PromptStore(
+        max_bytes=budget,
+        max_sequences=cli_args.prompt_cache_size,
+        ttl=cli_args.prompt_cache_ttl or None,
+    )
+    engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
     return engine, server
 

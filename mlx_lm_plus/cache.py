@@ -77,6 +77,25 @@ def compact(cache: List[Any]) -> List[Any]:
     return cache
 
 
+def default_budget() -> int:
+    """Bytes for the prompt cache when --prompt-cache-bytes is not given.
+
+    20% of the memory MLX may use (Metal's recommended working set, or the
+    machine's RAM), between 256 MB and 16 GB.
+    """
+    total = 0
+    try:
+        info = mx.device_info()
+        total = int(info.get("max_recommended_working_set_size", 0) or info.get("memory_size", 0))
+    except Exception:
+        pass
+    if not total:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(256 << 20, min(int(total * 0.2), 16 << 30))
+
+
 def cache_nbytes(cache: List[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
@@ -179,7 +198,8 @@ class PromptStore:
                     child = node.children[token] = _Node(node, token, node.depth + 1)
                 node = child
             if node.entry is not None:
-                self._remove(node.entry)
+                # Replaced in place: the node stays in the trie.
+                self._remove(node.entry, prune=False)
             now = self._clock()
             entry = Entry(tuple(key), cache, nbytes, kind, now, now)
             node.entry = entry
@@ -247,13 +267,15 @@ class PromptStore:
                 if victim is keep:
                     break
 
-    def _remove(self, entry: Entry, reason: Optional[str] = None):
+    def _remove(self, entry: Entry, reason: Optional[str] = None, prune: bool = True):
         model, node = self._entries.pop(entry)
         node.entry = None
         self.nbytes -= entry.nbytes
         if reason:
             self.stats[reason] += 1
             self.stats[f"{reason}_bytes"] += entry.nbytes
+        if not prune:
+            return
         # Prune the branch up to the nearest node still in use.
         while node.parent is not None and node.entry is None and not node.children:
             del node.parent.children[node.token]

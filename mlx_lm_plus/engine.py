@@ -25,6 +25,7 @@ upstream, each on purpose:
     thread: the batch is rebuilt and later requests are served.
 """
 
+import copy
 import gc
 import logging
 import pickle
@@ -40,11 +41,7 @@ from mlx_lm.generate import (
     make_text_state_machine,
     stream_generate,
 )
-from mlx_lm.models.cache import (
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.server import (
     GenerationContext,
     Response,
@@ -54,6 +51,7 @@ from mlx_lm.server import (
 )
 from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
+from .cache import PromptStore
 from .prompt import build_prompt, template_kwargs
 
 
@@ -87,11 +85,12 @@ class ModelLoadError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, model_provider, prompt_cache):
+    def __init__(self, model_provider, store: PromptStore):
         self.model_provider = model_provider
-        self.prompt_cache = prompt_cache
+        self.store = store
         self.requests = Queue()
         self._state_machines = {}
+        self._checkpoint_models = {}
         group = mx.distributed.init()
         self._is_distributed = group.size() > 1
         self._rank = group.rank()
@@ -229,27 +228,29 @@ class Engine:
             raise ModelLoadError(str(e)) from e
 
     def _fetch_cache(self, key):
-        """(a copy of the nearest cached prefix or None, tokens it covers).
+        """(a private copy of the best cached prefix or None, tokens it covers)."""
+        found = self.store.fetch(self.model_provider.model_key, key)
+        return found.cache, found.cached
 
-        At least one token is always left to compute: an exact hit is trimmed
-        by one token, or dropped when it can't be trimmed (upstream passes an
-        empty prompt on and the generation thread dies).
+    def _store(self, key, cache, kind):
+        self.store.insert(self.model_provider.model_key, key, cache, kind)
+
+    def _keep_checkpoints(self, model) -> bool:
+        key = self.model_provider.model_key
+        if key not in self._checkpoint_models:
+            self._checkpoint_models[key] = self._needs_checkpoints(model)
+        return self._checkpoint_models[key]
+
+    @staticmethod
+    def _needs_checkpoints(model) -> bool:
+        """Whether message-boundary checkpoints are worth storing.
+
+        When every layer is a plain KVCache, any prefix of a stored entry can
+        be had by trimming it, so checkpoints would only cost memory. Hybrid
+        (ArraysCache) and sliding-window (RotatingKVCache) layers can't be
+        trimmed reliably: for them the checkpoints are what makes reuse work.
         """
-        logging.debug(
-            f"Prompt Cache: {len(self.prompt_cache)} sequences, "
-            f"{self.prompt_cache.nbytes / 1e9:.2f} GB"
-        )
-        cache, rest = self.prompt_cache.fetch_nearest_cache(
-            self.model_provider.model_key, key
-        )
-        cached = len(key) - len(rest)
-        if cache is not None and not rest:
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                cached -= 1
-            else:
-                cache, cached = None, 0
-        return cache, cached
+        return not all(type(c) is KVCache for c in make_prompt_cache(model))
 
     # -- the generation loop --
 
@@ -347,6 +348,11 @@ class Engine:
                 if draft_model is not None:
                     cache += make_prompt_cache(draft_model)
             channel.put(ctx)
+            if draft_model is None and plan.vision is None:
+                rest = self._prefill_checkpoints(
+                    model, cache, plan, ctx.prompt_cache_count,
+                    lambda done, total: channel.put((done, total)),
+                )
 
             input_embeddings = None
             vision = plan.vision
@@ -396,11 +402,35 @@ class Engine:
                 if (gone and not self._is_distributed) or finish_reason is not None:
                     break
             channel.put(None)
-            self.prompt_cache.insert_cache(self.model_provider.model_key, cache_key, cache)
+            self._store(cache_key, cache, "generated")
         except Exception as e:
             logging.exception("Sequential generation failed")
             channel.put(e)
 
+
+    def _prefill_checkpoints(self, model, cache, plan, cached, progress):
+        """Sequential path: prefill up to each checkpoint and store a copy there.
+
+        The positions the batched path stores: the plan's segment ends and the
+        end of the prompt but its last token. Returns the tokens left for
+        stream_generate.
+        """
+        segments, kinds = _drop_cached(plan.segments, plan.segment_types, cached)
+        if not self._keep_checkpoints(model):
+            return plan.tokens[cached:]
+        if len(segments[-1]) > 1:  # kinds already has one entry per end
+            last = segments.pop()
+            segments += [last[:-1], last[-1:]]
+        done, total = cached, len(plan.tokens)
+        step = self.cli_args.prefill_step_size
+        for segment, kind in zip(segments[:-1], kinds):
+            for i in range(0, len(segment), step):
+                model(mx.array(segment[i : i + step])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                progress(done + min(i + step, len(segment)), total)
+            done += len(segment)
+            self._store(plan.cache_key[:done], copy.deepcopy(cache), kind)
+        return segments[-1]
 
 class _Batch:
     """A BatchGenerator and the requests in it, for one model."""
@@ -411,6 +441,7 @@ class _Batch:
         self.tokenizer = tokenizer
         self.stream = stream
         self.model_key = engine.model_provider.model_key
+        self.keep_checkpoints = engine._keep_checkpoints(model)
         self.results: Dict[int, Dict[str, Any]] = {}
         self._new_generator()
 
@@ -441,6 +472,8 @@ class _Batch:
             return
         cache, cached = engine._fetch_cache(plan.tokens)
         segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
+        if not self.keep_checkpoints:
+            segments, segment_types = [sum(segments, [])], ["prompt"]
         ctx, stop_sequences = engine._context(tokenizer, plan, args)
         ctx.prompt_cache_count = cached
         try:
@@ -469,14 +502,16 @@ class _Batch:
         }
         del cache
 
-        budget = engine.cli_args.prompt_cache_bytes
-        if budget is not None:
-            engine.prompt_cache.trim_to(
-                n_bytes=budget - self.generator.prompt_cache_nbytes
-            )
+        # The budget covers the caches in flight too (as upstream's
+        # --prompt-cache-bytes does).
+        engine.store.trim_to(engine.store.max_bytes - self.generator.prompt_cache_nbytes)
 
     def step(self) -> bool:
-        """One BatchGenerator step. Returns whether it did any work."""
+        """One BatchGenerator step. Returns whether it did any work.
+
+        Anything raised inside fails the requests of this batch, not the
+        generation thread.
+        """
         engine = self.engine
         # Clients that went away leave the batch wherever they are.
         stopped = [
@@ -492,17 +527,22 @@ class _Batch:
             logging.info(f"Removed {len(stopped)} cancelled request(s) from the batch")
 
         try:
-            prompt_responses, gen_responses = self.generator.next()
+            return self._step()
         except Exception as e:
             self._fail_all(e)
             return False
+
+    def _step(self) -> bool:
+        engine = self.engine
+        prompt_responses, gen_responses = self.generator.next()
         if not prompt_responses and not gen_responses:
             return False
 
         for r in prompt_responses:
             self.results[r.uid]["channel"].put(r.progress)
 
-        # Store the cache at the end of every segment but the last.
+        # Each request's checkpoints are its own segment ends: the cache
+        # extracted there covers exactly the tokens that request has seen.
         ends = [
             r.uid
             for r in prompt_responses
@@ -511,12 +551,8 @@ class _Batch:
             and self.results[r.uid]["segment_types"]
         ]
         for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
-            engine.prompt_cache.insert_cache(
-                self.model_key,
-                tokens[:],
-                cache,
-                cache_type=self.results[uid]["segment_types"].pop(),
-            )
+            kind = self.results[uid]["segment_types"].pop()
+            engine.store.insert(self.model_key, tokens[:], cache, kind)
 
         for r in gen_responses:
             result = self.results[r.uid]
@@ -537,9 +573,7 @@ class _Batch:
             )
             if r.finish_reason is not None:
                 result["channel"].put(None)
-                engine.prompt_cache.insert_cache(
-                    self.model_key, r.all_tokens[:], r.prompt_cache, cache_type="assistant"
-                )
+                engine.store.insert(self.model_key, r.all_tokens[:], r.prompt_cache, "generated")
                 del self.results[r.uid]
         return True
 

@@ -1,11 +1,10 @@
 """Prompt building: request -> PromptPlan (tokens, cache key, segments).
 
 A pure function of the tokenizer, the processor and the request, so it can be
-tested without a model. The segmentation follows mlx_lm.server 0.32.2
-(`ResponseGenerator._tokenize`): a "system" segment that ends where the system
-messages end, a "user" segment, and a short "assistant" tail holding the
-thinking start of the generation prompt. The prompt cache stores an entry at
-the end of each segment but the last.
+tested without a model. A chat prompt is split into segments at the
+message boundaries a later request can reuse (`checkpoint_positions`); the
+engine stores a cache entry at the end of each segment but the last, for
+each request at its own positions.
 """
 
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from mlx_lm.server import (
 class PromptPlan:
     tokens: List[int]
     # The prompt split at the positions worth caching, with one type per
-    # segment ("system", "user", "assistant"). Concatenated they are `tokens`.
+    # segment ("system", "checkpoint", and "prompt" for the last one).
+    # Concatenated they are `tokens`.
     segments: List[List[int]]
     segment_types: List[str]
     # Initial state of the TextStateMachine: "normal" or "reasoning" when the
@@ -60,12 +60,12 @@ def build_prompt(
     """
     if request.request_type != "chat":
         tokens = tokenizer.encode(request.prompt)
-        return PromptPlan(tokens, [tokens], ["assistant"])
+        return PromptPlan(tokens, [tokens], ["prompt"])
 
     messages = request.messages
     if not tokenizer.has_chat_template:
         tokens = tokenizer.encode(convert_chat(messages, request.role_mapping))
-        return PromptPlan(tokens, [tokens], ["assistant"])
+        return PromptPlan(tokens, [tokens], ["prompt"])
 
     urls = process_message_content(messages, keep_images=processor is not None)
     kwargs = dict(tools=request.tools, tokenize=True, **chat_template_args)
@@ -91,34 +91,101 @@ def build_prompt(
 
     initial_state = _initial_state(tokenizer, tokens)
 
-    # Only a prompt that ends in a user message gets segments; image prompts
-    # are served sequentially and cached whole.
-    if messages[-1]["role"] != "user" or vision is not None:
-        return PromptPlan(tokens, [tokens], ["assistant"], initial_state, vision)
+    # Image prompts are served sequentially and cached whole (for now).
+    if vision is not None:
+        return PromptPlan(tokens, [tokens], ["prompt"], initial_state, vision)
 
-    segments, segment_types = [], []
-    sys_end = _system_prompt_end(tokenizer, messages, tokens, kwargs)
-    if 0 < sys_end < len(tokens):
-        segments.append(tokens[:sys_end])
-        segment_types.append("system")
-
-    # A short tail that holds the thinking start of the generation prompt, so
-    # the cached "user" entry is the one the next turn can extend.
-    tail_start = len(tokens)
-    if tokenizer.has_thinking:
-        think_start = tokenizer.rfind_think_start(tokens, start=tail_start - 11)
-        if think_start >= 0:
-            tail_start = think_start
-
-    if sys_end < tail_start:
-        segments.append(tokens[sys_end:tail_start])
-        segment_types.append("user")
-    if tail_start < len(tokens):
-        segments.append(tokens[tail_start:])
-        segment_types.append("assistant")
-    if not segments:
-        segments, segment_types = [tokens], ["assistant"]
+    boundaries = checkpoint_positions(tokenizer, messages, tokens, kwargs)
+    segments, segment_types, start = [], [], 0
+    for position, kind in boundaries:
+        segments.append(tokens[start:position])
+        segment_types.append(kind)
+        start = position
+    segments.append(tokens[start:])
+    segment_types.append("prompt")
     return PromptPlan(tokens, segments, segment_types, initial_state, None)
+
+
+# Two sentinels with different first characters: whatever the real content
+# starts with, one of them differs from it at once, so the shorter common
+# prefix ends exactly where the content starts (or earlier, where the
+# tokenizer merges the content with the text before it).
+SENTINELS = ("\u2063a", "\u2063b")
+
+
+def _common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _boundary(tokenizer, tokens, variants, kwargs, add_generation_prompt) -> int:
+    """Shortest common prefix of `tokens` and each variant's rendering (-1 on error)."""
+    best = len(tokens)
+    for variant in variants:
+        try:
+            other = tokenizer.apply_chat_template(
+                variant, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception:
+            return -1
+        best = min(best, _common_prefix(tokens, other))
+    return best
+
+
+def _with_content(messages, index, content):
+    out = [dict(m) for m in messages]
+    out[index]["content"] = content
+    return out
+
+
+def checkpoint_positions(tokenizer, messages, tokens, kwargs) -> List[tuple]:
+    """Token positions worth a cache entry, found by sentinel substitution.
+
+    Each position is where two renderings of the conversation stop agreeing
+    when one message's content is replaced by a sentinel, so it is exact
+    whatever the template does around it (and works for templates that reject
+    a truncated message list):
+      * "system": the start of the first non-system message's content, the
+        prefix every conversation with these system messages shares;
+      * "checkpoint": the start of the last user message's content (edits and
+        regenerations of that message share it);
+      * "checkpoint": the end of this conversation as the next turn renders it
+        (the next turn appends an assistant reply and a user message; a
+        thinking template re-renders the reply without its reasoning).
+    Returns sorted (position, kind) pairs with 0 < position < len(tokens).
+    """
+    n = len(tokens)
+    found = {}
+
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+    if first is not None and first > 0:
+        p = _boundary(tokenizer, tokens,
+                      [_with_content(messages, first, s) for s in SENTINELS],
+                      kwargs, True)
+        if 0 < p < n:
+            found[p] = "system"
+
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is not None:
+        p = _boundary(tokenizer, tokens,
+                      [_with_content(messages, last_user, s) for s in SENTINELS],
+                      kwargs, True)
+        if 0 < p < n:
+            found.setdefault(p, "checkpoint")
+
+    if messages[-1]["role"] in ("user", "tool"):
+        nexts = [
+            [*messages, {"role": "assistant", "content": s}, {"role": "user", "content": s}]
+            for s in SENTINELS
+        ]
+        p = _boundary(tokenizer, tokens, nexts, kwargs, True)
+        if 0 < p < n:
+            found.setdefault(p, "checkpoint")
+    return sorted(found.items())
 
 
 def _initial_state(tokenizer, tokens: List[int]) -> str:
@@ -127,23 +194,3 @@ def _initial_state(tokenizer, tokens: List[int]) -> str:
         if tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens):
             state = "reasoning"
     return tokenizer.response_initial_state or state
-
-
-def _system_prompt_end(tokenizer, messages, tokens, kwargs) -> int:
-    """Where the leading system messages end in `tokens` (0 if none)."""
-    num_system = 0
-    for m in messages:
-        if m["role"] != "system":
-            break
-        num_system += 1
-    if num_system == 0:
-        return 0
-    sys_tokens = tokenizer.apply_chat_template(
-        messages[:num_system] + [{"role": "user", "content": ""}],
-        add_generation_prompt=False,
-        **kwargs,
-    )
-    for i, (a, b) in enumerate(zip(sys_tokens, tokens)):
-        if a != b:
-            return i
-    return 0

@@ -14,7 +14,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
 
 # Flags mlx_lm.server does not have. Documented in the README.
-OUR_FLAGS = ()
+OUR_FLAGS = ("--prompt-cache-ttl",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline",
         action="store_true",
         help="Use pipelining instead of tensor parallelism",
+    )
+    # --- Our flags. ---
+    parser.add_argument(
+        "--prompt-cache-ttl",
+        type=float,
+        default=1800.0,
+        help="(mlx_lm_plus) Seconds an unused prompt cache entry is kept "
+        "(default: 1800; 0 keeps entries until evicted)",
     )
     return parser
 
