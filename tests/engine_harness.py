@@ -1,0 +1,61 @@
+"""Run the engine in-process (no HTTP), for cache and batching tests."""
+
+import queue
+import threading
+
+from mlx_lm.server import CompletionRequest, Response
+
+from mlx_lm_plus.cache import PromptStore
+from mlx_lm_plus.engine import Channel, Engine
+from mlx_lm_plus.models import ModelProvider
+from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.validation import parse_request
+
+
+class Collect(Channel):
+    def __init__(self):
+        self.items = queue.Queue()
+
+    def put(self, item):
+        self.items.put(item)
+
+    def result(self, timeout=120):
+        """(tokens, ctx) once the request is done; raises its error."""
+        tokens, ctx = [], None
+        while True:
+            item = self.items.get(timeout=timeout)
+            if item is None:
+                return tokens, ctx
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Response):
+                tokens.append(item.token)
+            elif not isinstance(item, tuple):
+                ctx = item
+
+
+class EngineRunner:
+    def __init__(self, model_path, *, max_bytes=1 << 30, max_sequences=None, argv=()):
+        self.args = parse_args(["--model", str(model_path), *argv])
+        self.provider = ModelProvider(self.args)
+        self.store = PromptStore(max_bytes=max_bytes, max_sequences=max_sequences)
+        self.engine = Engine(self.provider, self.store)
+        self.engine.start()
+
+    def submit(self, body, path="/v1/chat/completions"):
+        parsed = parse_request(path, {"max_tokens": 10, **body}, self.args)
+        channel = Collect()
+        self.engine.submit(channel, parsed.request, parsed.args)
+        return channel
+
+    def run(self, body, **kw):
+        """(generated tokens, prompt tokens, cached tokens) of one request."""
+        tokens, ctx = self.submit(body, **kw).result()
+        return tokens, len(ctx.prompt), ctx.prompt_cache_count
+
+    def run_all(self, bodies):
+        channels = [self.submit(b) for b in bodies]
+        return [c.result()[0] for c in channels]
+
+    def close(self):
+        self.engine.stop_and_join(timeout=30)
