@@ -1,0 +1,67 @@
+"""Concurrent requests sharing prefixes, and the byte budget on both paths."""
+
+import pytest
+
+from tests.engine_harness import EngineRunner
+from tests.test_cache_exactness import SYSTEM, assert_store_invariant, conversation
+
+KINDS = ["qwen3_5", "mamba2", "qwen3"]
+
+
+def round_bodies(r):
+    """8 requests of mixed lengths sharing the system prompt and histories."""
+    bodies = []
+    for i in range(8):
+        if i % 3 == 0:
+            body = conversation(2 + i % 5, tag=f" r{r}")
+        elif i % 3 == 1:
+            body = conversation(3 + i % 4, edit_at=1 + i % 2, edit=f"variant {i} {r}")
+        else:
+            body = {"messages": [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": f"Short {i} {r}" * (1 + i)}]}
+        bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_concurrent_rounds_equal_sequential_fresh(kind, fixture_path):
+    path = fixture_path(kind)
+    cached = EngineRunner(path)
+    try:
+        for r in range(3):
+            bodies = round_bodies(r)
+            concurrent = cached.run_all(bodies)
+            fresh = EngineRunner(path, max_bytes=0)
+            try:
+                sequential = [fresh.run(b)[0] for b in bodies]
+            finally:
+                fresh.close()
+            assert concurrent == sequential, (kind, r)
+            assert_store_invariant(cached)
+        assert cached.store.snapshot()["prompt_tokens_saved"] > 0
+    finally:
+        cached.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["batched", "sequential"])
+def test_byte_budget_holds_after_every_insert(seeded, fixture_path):
+    runner = EngineRunner(fixture_path("qwen3_5"), max_bytes=0)
+    store = runner.store
+    # Room for a few entries of this model, then check on every insert.
+    store.max_bytes = 300_000
+    seen = []
+    insert = store.insert
+
+    def checked_insert(*args, **kw):
+        insert(*args, **kw)
+        seen.append(store.nbytes)
+        assert store.nbytes <= store.max_bytes
+
+    store.insert = checked_insert
+    try:
+        extra = {"seed": 1} if seeded else {}
+        for t in range(1, 7):
+            runner.run({**conversation(t), **extra})
+        assert len(seen) >= 6 and store.snapshot()["evictions"] > 0
+    finally:
+        runner.close()
