@@ -156,7 +156,11 @@ class PromptStore:
             if donor is not None and can_trim_prompt_cache(donor.entry.cache):
                 cache = copy.deepcopy(donor.entry.cache)
                 trim_prompt_cache(cache, donor.depth - target)
-                self._touch(donor.entry)
+                # A hit, but not a reason to keep the donor: the request's own
+                # entry will hold the shared part. Renewing it would keep
+                # stale branches (a reply the next turn re-renders
+                # differently) alive at the expense of live conversations.
+                donor.entry.hits += 1
                 kind = "exact" if donor is exact else "trimmed"
                 return Fetched(cache, target, kind)
 
@@ -166,6 +170,15 @@ class PromptStore:
             kind = "checkpoint" if entry.kind in ("checkpoint", "system") else "prefix"
             return Fetched(copy.deepcopy(entry.cache), best_prefix.depth, kind)
         return Fetched(None, 0, "miss")
+
+    def shared_depth(self, model: Any, key: List[int]) -> int:
+        """How many leading tokens of `key` the trie holds (any entry's path)."""
+        with self._lock:
+            node, depth = self._roots.get(model), 0
+            while node is not None and depth < len(key):
+                node = node.children.get(key[depth])
+                depth += node is not None
+            return depth
 
     @staticmethod
     def _nearest_entry(node: _Node) -> Optional[_Node]:

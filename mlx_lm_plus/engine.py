@@ -52,7 +52,7 @@ from mlx_lm.server import (
 from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
 from .cache import PromptStore
-from .prompt import build_prompt, template_kwargs
+from .prompt import build_prompt, split_at, template_kwargs
 
 
 class Channel:
@@ -197,9 +197,16 @@ class Engine:
     def _plan(self, tokenizer, request, args):
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
-            return build_prompt(tokenizer, self.model_provider.processor, request, kwargs)
+            plan = build_prompt(tokenizer, self.model_provider.processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
+        # A divergence checkpoint: where this prompt leaves the paths already
+        # in the store (an edit or regeneration inside a message), so the
+        # next variant of the same branch can resume there.
+        depth = self.store.shared_depth(self.model_provider.model_key, plan.cache_key)
+        if 0 < depth < len(plan.tokens) - 1:
+            split_at(plan, depth)
+        return plan
 
     def _is_batchable(self, request, args) -> bool:
         has_images = request.request_type == "chat" and any(

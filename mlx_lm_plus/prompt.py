@@ -188,6 +188,18 @@ def checkpoint_positions(tokenizer, messages, tokens, kwargs) -> List[tuple]:
     return sorted(found.items())
 
 
+def split_at(plan: PromptPlan, position: int, kind: str = "checkpoint") -> None:
+    """Add a segment boundary at `position` (no-op where one already is)."""
+    start = 0
+    for i, segment in enumerate(plan.segments):
+        end = start + len(segment)
+        if start < position < end:
+            plan.segments[i : i + 1] = [segment[: position - start], segment[position - start :]]
+            plan.segment_types.insert(i, kind)
+            return
+        start = end
+
+
 def _initial_state(tokenizer, tokens: List[int]) -> str:
     state = "normal"
     if tokenizer.has_thinking:
