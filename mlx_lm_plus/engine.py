@@ -239,6 +239,15 @@ class Engine:
         found = self.store.fetch(self.model_provider.model_key, key)
         return found.cache, found.cached
 
+    def _log_store(self):
+        s = self.store.snapshot()
+        logging.info(
+            f"Prompt cache: {s['entries']} entries ({s['sequences']} sequences), "
+            f"{s['bytes'] / 1e6:.1f}/{s['budget_bytes'] / 1e6:.0f} MB, hits {s['hits']}, "
+            f"misses {s['misses']}, evictions {s['evictions']}, "
+            f"tokens saved {s['prompt_tokens_saved']}"
+        )
+
     def _store(self, key, cache, kind):
         self.store.insert(self.model_provider.model_key, key, cache, kind)
 
@@ -410,6 +419,7 @@ class Engine:
                     break
             channel.put(None)
             self._store(cache_key, cache, "generated")
+            self._log_store()
         except Exception as e:
             logging.exception("Sequential generation failed")
             channel.put(e)
@@ -581,6 +591,7 @@ class _Batch:
             if r.finish_reason is not None:
                 result["channel"].put(None)
                 engine.store.insert(self.model_key, r.all_tokens[:], r.prompt_cache, "generated")
+                engine._log_store()
                 del self.results[r.uid]
         return True
 

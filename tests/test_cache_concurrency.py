@@ -5,7 +5,7 @@ import pytest
 from tests.engine_harness import EngineRunner
 from tests.test_cache_exactness import SYSTEM, assert_store_invariant, conversation
 
-KINDS = ["qwen3_5", "mamba2", "qwen3"]
+KINDS = ["qwen3_5", "mamba2", "qwen3", "gemma3_text"]
 
 
 def round_bodies(r):
