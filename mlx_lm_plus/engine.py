@@ -51,8 +51,13 @@ from mlx_lm.server import (
 )
 from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
+from patches import apply_all as _apply_patches
+
 from .cache import PromptStore
 from .prompt import build_prompt, split_at, template_kwargs
+
+
+_apply_patches()
 
 
 class Channel:

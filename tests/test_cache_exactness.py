@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm_plus.cache import compact
 from tests.engine_harness import EngineRunner
 
-KINDS = ["qwen3", "qwen3_5", "mamba2", "gemma3_text"]
+KINDS = ["qwen3", "qwen3_5", "mamba2", "gemma3_text", "nemotron_h"]
 SYSTEM = ("You are a careful assistant for travel planning. Answer with short lists, "
           "name the cities, and count the days. ") * 3
 

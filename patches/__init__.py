@@ -1,0 +1,15 @@
+"""Fixes to upstream mlx-lm 0.32.2 behaviour, one module per bug.
+
+Each module has `apply()` (idempotent) and `revert()`, and a test in
+tests/test_patches.py that fails without it. `apply_all()` runs at import of
+mlx_lm_plus.engine.
+"""
+
+from . import nemotron_h_ssm_lengths
+
+PATCHES = [nemotron_h_ssm_lengths]
+
+
+def apply_all():
+    for patch in PATCHES:
+        patch.apply()
