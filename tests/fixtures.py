@@ -27,7 +27,7 @@ from pathlib import Path
 
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Kinds whose batching is broken in mlx-lm 0.32.2 without patches/.
-PATCHED_KINDS = ("nemotron_h",)
+PATCHED_KINDS = ("nemotron_h", "mamba", "jamba")
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -197,6 +197,42 @@ def _config(kind: str, vocab: int) -> dict:
             tie_word_embeddings=False,
             time_step_limit=[0.0, float("inf")],
             time_step_rank="auto",
+        )
+    if kind == "jamba":
+        return dict(
+            model_type="jamba",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_offset=1,
+            attn_layer_period=2,
+            expert_layer_offset=0,
+            expert_layer_period=2,
+            mamba_d_conv=4,
+            mamba_d_state=16,
+            mamba_expand=2,
+            num_experts=1,
+            num_experts_per_tok=1,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            vocab_size=vocab,
+            tie_word_embeddings=False,
+        )
+    if kind == "mamba":
+        return dict(
+            model_type="mamba",
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            state_size=16,
+            num_hidden_layers=2,
+            conv_kernel=4,
+            use_bias=False,
+            use_conv_bias=True,
+            time_step_rank=8,
+            tie_word_embeddings=False,
         )
     if kind == "nemotron_h":
         return dict(

@@ -5,7 +5,6 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 import patches
-from patches import nemotron_h_ssm_lengths
 from tests.test_fixtures import greedy, long_prompt
 
 
@@ -22,23 +21,26 @@ def batched(model, prompts, n):
 
 @pytest.fixture
 def unpatched():
-    nemotron_h_ssm_lengths.revert()
+    for patch in patches.PATCHES:
+        patch.revert()
     yield
     patches.apply_all()
 
 
-def _nemotron(fixture_path):
-    model, tok = load(str(fixture_path("nemotron_h")))
+def _prompts(fixture_path, kind):
+    model, tok = load(str(fixture_path(kind)))
     base = long_prompt(tok)
     return model, tok, [base[:60], base, base[:130]]
 
 
-def test_nemotron_h_batched_equals_single_with_patch(fixture_path):
+@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba"])
+def test_batched_equals_single_with_patches(kind, fixture_path):
     patches.apply_all()
-    model, tok, prompts = _nemotron(fixture_path)
+    model, tok, prompts = _prompts(fixture_path, kind)
     assert batched(model, prompts, 8) == [greedy(model, tok, p, 8) for p in prompts]
 
 
-def test_nemotron_h_batched_differs_without_patch(fixture_path, unpatched):
-    model, tok, prompts = _nemotron(fixture_path)
+@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba"])
+def test_batched_differs_without_patches(kind, fixture_path, unpatched):
+    model, tok, prompts = _prompts(fixture_path, kind)
     assert batched(model, prompts, 8) != [greedy(model, tok, p, 8) for p in prompts]

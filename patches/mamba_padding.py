@@ -1,0 +1,45 @@
+"""mamba (v1, and falcon_mamba): the mixer ignores padding in batches.
+
+BatchGenerator prefills prompts of different lengths together: merged caches
+carry `left_padding`, and right-padded prefill chunks carry `lengths`
+(`ArraysCache.make_mask` combines both). mlx-lm 0.32.2's `MambaBlock` runs
+the convolution and the recurrent scan over the padding as if it were input,
+and keeps the conv window of the padded end, so in a batch every shorter
+prompt continues from a wrong state. This version masks the padded inputs,
+holds the state through padded steps, keeps each row's conv window at its
+own last real token, and advances the cache, as mamba2's mixer does.
+"""
+
+import mlx.core as mx
+from mlx_lm.models import mamba
+from mlx_lm.models.activations import swiglu
+
+from ._padding import batch_mask, hold_padded, padded_conv, store
+
+_Block = mamba.MambaBlock
+ORIGINAL = _Block.__call__
+
+
+def __call__(self, x, cache):
+    T = x.shape[1]
+    mask, lengths = batch_mask(cache, T)
+    conv_cache, state = (cache[0], cache[1]) if cache is not None else (None, None)
+    x, z = self.in_proj(x).split(indices_or_sections=2, axis=-1)
+    x, window = padded_conv(x, conv_cache, self.conv1d, self.conv_kernel_size, mask, lengths)
+    A = -mx.exp(self.A_log)
+    ys = []
+    for t in range(T):
+        y_t, new_state = self.ssm_step(x[:, t], A, state)
+        state = hold_padded(new_state, state, mask, t)
+        ys.append(y_t)
+    out = self.out_proj(swiglu(z, mx.stack(ys, axis=1)))
+    store(cache, window, state, T)
+    return out
+
+
+def apply():
+    _Block.__call__ = __call__
+
+
+def revert():
+    _Block.__call__ = ORIGINAL
