@@ -27,7 +27,7 @@ from pathlib import Path
 
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Kinds whose batching is broken in mlx-lm 0.32.2 without patches/.
-PATCHED_KINDS = ("nemotron_h", "mamba", "jamba")
+PATCHED_KINDS = ("nemotron_h", "mamba", "jamba", "olmo_hybrid")
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -197,6 +197,21 @@ def _config(kind: str, vocab: int) -> dict:
             tie_word_embeddings=False,
             time_step_limit=[0.0, float("inf")],
             time_step_rank="auto",
+        )
+    if kind == "olmo_hybrid":
+        return dict(
+            model_type="olmo_hybrid",
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_allow_neg_eigval=False,
+            attention_bias=False,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            rope_theta=10000.0,
+            **{k: v for k, v in attn.items() if k != "head_dim"},
         )
     if kind == "jamba":
         return dict(

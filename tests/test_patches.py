@@ -33,14 +33,14 @@ def _prompts(fixture_path, kind):
     return model, tok, [base[:60], base, base[:130]]
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba"])
+@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba", "olmo_hybrid"])
 def test_batched_equals_single_with_patches(kind, fixture_path):
     patches.apply_all()
     model, tok, prompts = _prompts(fixture_path, kind)
     assert batched(model, prompts, 8) == [greedy(model, tok, p, 8) for p in prompts]
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba"])
+@pytest.mark.parametrize("kind", ["nemotron_h", "mamba", "jamba", "olmo_hybrid"])
 def test_batched_differs_without_patches(kind, fixture_path, unpatched):
     model, tok, prompts = _prompts(fixture_path, kind)
     assert batched(model, prompts, 8) != [greedy(model, tok, p, 8) for p in prompts]
