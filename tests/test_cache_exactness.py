@@ -95,3 +95,23 @@ def _arrays(state):
         elif isinstance(s, mx.array):
             out.append(s)
     return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "mamba2"])
+def test_sequential_path_cached_equals_cold(kind, fixture_path):
+    """Requests with a seed take the sequential path; its checkpoints are exact too."""
+    path = fixture_path(kind)
+    cached, cold = EngineRunner(path), EngineRunner(path, max_bytes=0)
+    try:
+        hits = 0
+        for name, bodies in workload():
+            for i, body in enumerate(bodies):
+                body = {**body, "seed": 3}
+                tokens, _, hit = cached.run(body)
+                assert tokens == cold.run(body)[0], (kind, name, i)
+                hits += hit
+        assert hits > 0
+        assert_store_invariant(cached)
+    finally:
+        cached.close()
+        cold.close()
