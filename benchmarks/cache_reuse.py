@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from compat.launch import OURS, UPSTREAM, ServerProcess
+from mlx_lm_plus.prompt import common_prefix
 
 SYSTEM = ("You are a meticulous travel-planning assistant. You answer with short "
           "numbered lists, you name every city, and you count the days. ") * 12
@@ -92,22 +93,13 @@ class Recorder:
             raise RuntimeError(f"{status}: {r}")
         prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True)
         generated = [c["id"] for c in r["choices"][0]["logprobs"]["content"]]
-        reusable = max((_lcp(prompt, s) for s in self.seen), default=0)
+        reusable = max((common_prefix(prompt, s) for s in self.seen), default=0)
         usage = r["usage"]
         assert usage["prompt_tokens"] == len(prompt), (usage, len(prompt))
         self.rows.append({"prompt": len(prompt), "novel": len(prompt) - reusable,
                           "recomputed": len(prompt) - usage["prompt_tokens_details"]["cached_tokens"]})
         self.seen.append(prompt + generated)
         return r["choices"][0]["message"]["content"] or ""
-
-
-def _lcp(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def measure(command, model, tokenizer, names, log_dir, max_tokens, skip_first):

@@ -113,7 +113,7 @@ def build_prompt(
 SENTINELS = ("\u2063a", "\u2063b")
 
 
-def _common_prefix(a: List[int], b: List[int]) -> int:
+def common_prefix(a: List[int], b: List[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -132,7 +132,7 @@ def _boundary(tokenizer, tokens, variants, kwargs, add_generation_prompt) -> int
             )
         except Exception:
             return -1
-        best = min(best, _common_prefix(tokens, other))
+        best = min(best, common_prefix(tokens, other))
     return best
 
 
