@@ -46,6 +46,7 @@ from mlx_lm.server import (
     GenerationContext,
     Response,
     TimeBudget,
+    _image_parts,
     _make_logits_processors,
     _make_sampler,
 )
@@ -214,15 +215,8 @@ class Engine:
         return plan
 
     def _is_batchable(self, request, args) -> bool:
-        has_images = request.request_type == "chat" and any(
-            isinstance(m.get("content"), list)
-            and any(
-                isinstance(p, dict) and p.get("type") in ("image_url", "input_image", "image")
-                for p in m["content"]
-            )
-            for m in request.messages
-            if isinstance(m, dict)
-        )
+        # Image requests are served sequentially (as upstream, for now).
+        has_images = request.request_type == "chat" and any(_image_parts(request.messages))
         return (
             self.model_provider.is_batchable
             and args.seed is None
