@@ -7,6 +7,7 @@ channel, and the engine drops the request at its next step.
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -86,13 +87,25 @@ class Server:
 
     # -- routing --
 
+    def authorized(self, request: web.Request) -> bool:
+        key = getattr(self.cli_args, "api_key", None)
+        if not key or request.path == "/health":
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.method == "OPTIONS":
+            # CORS preflights carry no credentials: always answered.
             return web.Response(
                 status=204,
                 content_type="application/json",
                 headers=self.cors_headers(request),
             )
+        if not self.authorized(request):
+            response = self.error(request, "Invalid or missing API key", 401)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         if request.method == "GET":
             if request.path.startswith("/v1/models"):
                 return await self.handle_models(request)
@@ -182,6 +195,16 @@ class Server:
             parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
         except RequestError as e:
             return self.error(request, str(e), e.status)
+
+        if not self.model_provider.is_served(parsed.args.model):
+            desc = parsed.args.model
+            return self.error(
+                request,
+                f"Model not served here: model={desc.model!r}, adapters={desc.adapter!r}, "
+                f"draft_model={desc.draft!r}. This server serves {self.cli_args.model!r} "
+                "(start it with --allow-model-loading to load others).",
+                404,
+            )
 
         if request.path == "/v1/completions":
             request_id, object_type = f"cmpl-{uuid.uuid4()}", "text_completion"

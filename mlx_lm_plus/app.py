@@ -2,7 +2,9 @@
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 import mlx.core as mx
 from aiohttp import web
@@ -70,3 +72,12 @@ def run(cli_args):
         asyncio.run(main())
     finally:
         engine.stop_and_join(timeout=10)
+    logging.info("Server stopped")
+    # Everything is shut down. Skip interpreter teardown: MLX's stream worker
+    # threads, started from the generation thread, abort the process when the
+    # runtime destroys them at exit ("terminate called without an active
+    # exception"), which would turn a clean SIGTERM into exit status 134.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

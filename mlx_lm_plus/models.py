@@ -14,6 +14,12 @@ from pathlib import Path
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 
+class _Default:
+    model = "default_model"
+    adapter = None
+    draft = "default_model"
+
+
 def resolve_default_model(cli_args) -> None:
     """Fill in --model with the demo model when none was given."""
     if cli_args.model is None:
@@ -34,6 +40,18 @@ class ModelProvider(UpstreamModelProvider):
             for alias in aliases:
                 self._model_map.setdefault(alias, model)
                 self._adapter_map.setdefault(alias, cli_args.adapter_path)
+
+    def is_served(self, desc) -> bool:
+        """Whether a request's model/adapters/draft_model may be used.
+
+        The configured model (under any of its names) always; anything else
+        only with --allow-model-loading. Upstream loads whatever is named, and
+        a name that fails to load leaves it with no model at all.
+        """
+        if self.cli_args.allow_model_loading:
+            return True
+        default = self.key_for(_Default)
+        return self.key_for(desc) == default
 
     def key_for(self, desc):
         """The (model, adapter, draft) key `load` would use for a request."""

@@ -9,12 +9,13 @@ flag.
 import argparse
 import json
 import logging
+import os
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
 
 # Flags mlx_lm.server does not have. Documented in the README.
-OUR_FLAGS = ("--prompt-cache-ttl",)
+OUR_FLAGS = ("--prompt-cache-ttl", "--allow-model-loading", "--api-key")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="(mlx_lm_plus) Seconds an unused prompt cache entry is kept "
         "(default: 1800; 0 keeps entries until evicted)",
+    )
+    parser.add_argument(
+        "--allow-model-loading",
+        action="store_true",
+        help="(mlx_lm_plus) Let requests load other local paths or repos named "
+        "in `model`, `adapters` or `draft_model`, as upstream does (default: "
+        "only the configured model; other names get 404)",
+    )
+    parser.add_argument(
+        "--api-key",
+        type=str,
+        default=os.environ.get("MLX_LM_PLUS_API_KEY"),
+        help="(mlx_lm_plus) Require `Authorization: Bearer KEY` on every "
+        "endpoint but /health (default: $MLX_LM_PLUS_API_KEY, else none)",
     )
     return parser
 

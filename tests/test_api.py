@@ -52,7 +52,8 @@ def tokens(*texts, finish="stop"):
 
 def make_client(aiohttp_client, engine, argv=()):
     args = parse_args(["--model", "m", *argv])
-    server = Server(args, engine, Namespace(model=None, tokenizer=None), "fp")
+    provider = Namespace(model=None, tokenizer=None, is_served=lambda desc: True)
+    server = Server(args, engine, provider, "fp")
     return aiohttp_client(make_app(server))
 
 
@@ -142,3 +143,20 @@ async def test_client_disconnect_cancels_the_request(aiohttp_client):
                 break
             await asyncio.sleep(0.05)
         assert channel.cancelled, f"stream={stream}"
+
+
+async def test_api_key_guards_everything_but_health(aiohttp_client):
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, ["--api-key", "s3cret"])
+    assert (await client.get("/health")).status == 200
+    assert (await client.options("/v1/chat/completions")).status == 204
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert await r.json() == {"error": "Invalid or missing API key"}
+    assert (await client.get("/v1/models")).status == 401
+    assert engine.channels == []
+    r = await client.post("/v1/chat/completions", json=body,
+                          headers={"Authorization": "Bearer s3cret"})
+    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "ok"

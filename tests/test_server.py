@@ -249,3 +249,28 @@ def test_disconnect_removes_request_from_batch(server, stream):
     assert server.get("/health") == (200, {"status": "ok"})
     status, r = chat(server, user("hi"), max_tokens=3)
     assert status == 200 and r["usage"]["completion_tokens"] == 3
+
+
+def test_unknown_model_is_404_and_leaves_the_model_loaded(server, fixture_path):
+    # (As upstream, `adapters` only applies to a model other than the default.)
+    for body in ({"model": "some/other-model"}, {"draft_model": "/tmp/nope"},
+                 {"model": "some/other-model", "adapters": "/tmp/nope"}):
+        status, r = chat(server, user("hi"), max_tokens=3, **body)
+        assert status == 404 and "not served here" in r["error"], body
+    # The names a client may use for the served model all work.
+    for name in ("default_model", str(fixture_path("qwen3")),
+                 str(fixture_path("qwen3").resolve())):
+        status, r = chat(server, user("hi"), max_tokens=3, model=name)
+        assert status == 200 and r["usage"]["completion_tokens"] == 3, name
+    assert server.get("/health") == (200, {"status": "ok"})
+
+
+def test_sigterm_exits_cleanly(fixture_path, tmp_path):
+    import os
+    import signal
+
+    with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))],
+                       log=tmp_path / "s.log") as s:
+        assert chat(s, user("hi"), max_tokens=2)[0] == 200
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0
