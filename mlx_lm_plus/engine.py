@@ -29,7 +29,6 @@ import copy
 import gc
 import logging
 import pickle
-import time
 from queue import Empty, Queue
 from threading import Thread
 from typing import Any, Dict, Optional

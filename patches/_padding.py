@@ -35,6 +35,19 @@ def padded_conv(x, conv_cache, conv1d, K, mask, lengths):
     return nn.silu(conv1d(x_full)), window
 
 
+def mixer_inputs(block, x, cache):
+    """The shared front of the Mamba-style mixers (in_proj, masked conv).
+
+    Returns (x after the conv, z, new conv window, mask, state, T).
+    """
+    T = x.shape[1]
+    mask, lengths = batch_mask(cache, T)
+    conv_cache, state = (cache[0], cache[1]) if cache is not None else (None, None)
+    x, z = block.in_proj(x).split(indices_or_sections=2, axis=-1)
+    x, window = padded_conv(x, conv_cache, block.conv1d, block.conv_kernel_size, mask, lengths)
+    return x, z, window, mask, state, T
+
+
 def hold_padded(new_state, old_state, mask, t):
     """The state after step t: unchanged where position t is padding."""
     if mask is None:

@@ -12,18 +12,14 @@ import mlx.nn as nn
 from mlx_lm.models import jamba
 from mlx_lm.models.activations import swiglu
 
-from ._padding import batch_mask, hold_padded, padded_conv, store
+from ._padding import hold_padded, mixer_inputs, store
 
 _Mixer = jamba.JambaMambaMixer
 ORIGINAL = _Mixer.__call__
 
 
 def __call__(self, x, cache):
-    T = x.shape[1]
-    mask, lengths = batch_mask(cache, T)
-    conv_cache, state = (cache[0], cache[1]) if cache is not None else (None, None)
-    x, z = self.in_proj(x).split(indices_or_sections=2, axis=-1)
-    x, window = padded_conv(x, conv_cache, self.conv1d, self.conv_kernel_size, mask, lengths)
+    x, z, window, mask, state, T = mixer_inputs(self, x, cache)
 
     # Upstream's ssm_step, with the scan written out so padded steps hold.
     A = -mx.exp(self.A_log)

@@ -1,9 +1,8 @@
 """Run the engine in-process (no HTTP), for cache and batching tests."""
 
 import queue
-import threading
 
-from mlx_lm.server import CompletionRequest, Response
+from mlx_lm.server import Response
 
 from mlx_lm_plus.cache import PromptStore
 from mlx_lm_plus.engine import Channel, Engine

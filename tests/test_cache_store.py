@@ -1,7 +1,6 @@
 """PromptStore alone, on small synthetic caches."""
 
 import mlx.core as mx
-import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_lm_plus.cache import PromptStore

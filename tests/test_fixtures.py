@@ -1,6 +1,5 @@
 """The fixture models load, template, and are sensitive enough for exact tests."""
 
-import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, stream_generate
