@@ -303,7 +303,13 @@ class Engine:
                     and self.model_provider.key_for(args.model) == batch.model_key
                 )
                 if same_model and batchable:
-                    batch.insert(channel, req, args)
+                    try:
+                        batch.insert(channel, req, args)
+                    except Exception as e:
+                        # Whatever slipped past validation fails this
+                        # request only.
+                        logging.exception("Could not add the request to the batch")
+                        channel.put(e)
                 elif batch is None:
                     try:
                         model, tokenizer = self._load(args)

@@ -171,6 +171,10 @@ def _completion_request(path: str, body: Dict[str, Any]) -> CompletionRequest:
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
         raise RequestError("tools must be a list")
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{i}] must be an object with a function that has a name")
     return CompletionRequest("chat", "", messages, tools, body.get("role_mapping"))
 
 

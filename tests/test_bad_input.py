@@ -1,0 +1,124 @@
+"""A corpus of bad requests: each gets a 4xx JSON error and harms nothing.
+
+After every case the server is healthy and a valid request still succeeds.
+Several of these kill upstream mlx_lm.server 0.32.2's generation thread for
+good (stop that is not strings, an empty or list prompt, top_k beyond the
+vocabulary, ...).
+"""
+
+import json
+
+import pytest
+
+from compat.launch import OURS, ServerProcess
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+
+
+def chat(**kw):
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+CASES = [
+    # field type confusions and ranges
+    *[(CHAT, chat(**{field: value})) for field, value in [
+        ("stream", "yes"), ("stream", 1), ("max_tokens", "ten"), ("max_tokens", 0),
+        ("max_tokens", -5), ("max_tokens", 2.5), ("max_completion_tokens", "x"),
+        ("temperature", "hot"), ("temperature", -1), ("top_p", 1.5), ("top_p", "a"),
+        ("top_k", -1), ("top_k", 1.5), ("top_k", 10**9), ("min_p", -0.1), ("min_p", 2),
+        ("num_draft_tokens", -1), ("num_draft_tokens", "3"), ("repetition_penalty", -1),
+        ("repetition_context_size", -1), ("repetition_context_size", 1.5),
+        ("presence_penalty", "a"), ("presence_context_size", -2),
+        ("frequency_penalty", [1]), ("frequency_context_size", "x"),
+        ("logprobs", "yes"), ("top_logprobs", 12), ("top_logprobs", -2),
+        ("top_logprobs", "3"), ("xtc_probability", 1), ("xtc_probability", 2.0),
+        ("xtc_threshold", -0.5), ("model", 5), ("model", None), ("adapters", 5),
+        ("seed", "a"), ("seed", 1.5), ("logit_bias", [1]), ("logit_bias", {"a": 1}),
+        ("logit_bias", {"1": "x"}), ("logit_bias", {"99999999": 1.0}),
+        ("logit_bias", {"-1": 1.0}), ("stop", [1, 2]), ("stop", [None]), ("stop", 5),
+        ("stop", {"a": 1}), ("stop", [["x"]]), ("stream_options", "yes"),
+        ("stream_options", {"include_usage": "yes"}), ("chat_template_kwargs", "x"),
+        ("chat_template_kwargs", [1]), ("tools", "x"), ("tools", {"a": 1}),
+        ("tools", ["x"]), ("tools", [{"type": "function"}]),
+        ("tools", [{"type": "function", "function": {"name": 5}}]),
+    ]],
+    # messages
+    (CHAT, {"prompt": "x"}),
+    (CHAT, {"messages": "hi"}),
+    (CHAT, {"messages": []}),
+    (CHAT, {"messages": [1, 2]}),
+    (CHAT, {"messages": [{"content": "no role"}]}),
+    (CHAT, {"messages": [{"role": 5, "content": "x"}]}),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [5]}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+    # text completions
+    (TEXT, {"messages": []}),
+    (TEXT, {"prompt": ""}),
+    (TEXT, {"prompt": ["a", "b"]}),
+    (TEXT, {"prompt": 5}),
+    (TEXT, {"prompt": None}),
+    (TEXT, {"prompt": "x", "max_tokens": 0}),
+    # bodies
+    (CHAT, b"{not json"),
+    (CHAT, b"[1, 2]"),
+    (CHAT, b'"just a string"'),
+    (CHAT, b"42"),
+    (CHAT, b"null"),
+    (CHAT, b""),
+    (CHAT, b"\xff\xfe\x00{"),
+    (TEXT, b'{"prompt": "x", "max_tokens": }'),
+]
+
+
+@pytest.fixture(scope="module")
+def server(fixture_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bad") / "server.log"
+    with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))], log=log) as s:
+        yield s
+
+
+def test_corpus_is_large():
+    assert len(CASES) >= 60
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{i}" for i in range(len(CASES))])
+def test_bad_request_is_4xx_and_harmless(server, path, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, headers, data = server.request("POST", path, raw=raw)
+    assert 400 <= status < 500, (status, data[:300])
+    error = json.loads(data)["error"]
+    assert isinstance(error, str) and error
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, r = server.post(CHAT, chat())
+    assert status == 200 and r["usage"]["completion_tokens"] == 2
+
+
+def test_an_error_inside_the_engine_fails_only_that_request(fixture_path):
+    """Past validation, a failure while adding a request leaves the thread alive."""
+    from tests.engine_harness import EngineRunner
+
+    runner = EngineRunner(fixture_path("qwen3"))
+    try:
+        assert runner.run(chat())[0]
+        good = runner.submit(chat())
+        # A stop word that is not a string, as if validation had missed it.
+        from mlx_lm_plus.validation import parse_request
+
+        parsed = parse_request(CHAT, chat(), runner.args)
+        parsed.args.stop_words = [1, 2]
+        from tests.engine_harness import Collect
+
+        bad = Collect()
+        runner.engine.submit(bad, parsed.request, parsed.args)
+        with pytest.raises(Exception):
+            bad.result(timeout=30)
+        assert good.result(timeout=30)[0]
+        assert runner.engine.is_healthy
+        assert len(runner.run(chat())[0]) == 2
+    finally:
+        runner.close()
