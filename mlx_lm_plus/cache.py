@@ -58,6 +58,9 @@ class _Node:
     depth: int
     children: Dict[int, "_Node"] = field(default_factory=dict)
     entry: Optional[Entry] = None
+    # Entries stored strictly below this node: an entry is a leaf (a
+    # distinct sequence) when its node has none.
+    below: int = 0
 
 
 @dataclass
@@ -216,6 +219,7 @@ class PromptStore:
             now = self._clock()
             entry = Entry(tuple(key), cache, nbytes, kind, now, now)
             node.entry = entry
+            self._count_below(node, +1)
             self._entries[entry] = (model, node)
             self.nbytes += nbytes
             self.stats[f"insert_{kind}"] += 1
@@ -239,15 +243,16 @@ class PromptStore:
         for entry in [e for e in self._entries if e.last_used < deadline]:
             self._remove(entry, reason="expired")
 
-    def _is_leaf(self, node: _Node) -> bool:
-        """No stored entry below this node."""
-        stack = list(node.children.values())
-        while stack:
-            n = stack.pop()
-            if n.entry is not None:
-                return False
-            stack.extend(n.children.values())
-        return True
+    @staticmethod
+    def _count_below(node: _Node, delta: int):
+        n = node.parent
+        while n is not None:
+            n.below += delta
+            n = n.parent
+
+    @staticmethod
+    def _is_leaf(node: _Node) -> bool:
+        return node.below == 0
 
     def _victim(self, keep: Entry, leaves_only: bool) -> Optional[Entry]:
         candidates = [
@@ -283,6 +288,7 @@ class PromptStore:
     def _remove(self, entry: Entry, reason: Optional[str] = None, prune: bool = True):
         model, node = self._entries.pop(entry)
         node.entry = None
+        self._count_below(node, -1)
         self.nbytes -= entry.nbytes
         if reason:
             self.stats[reason] += 1
