@@ -49,6 +49,16 @@ class Server:
         self.engine = engine
         self.model_provider = model_provider
         self.system_fingerprint = system_fingerprint
+        # Completions accepted and not yet answered (the event loop's own count).
+        self.in_flight = 0
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests the server holds at once: a full batch plus the queue."""
+        queued = getattr(self.cli_args, "max_queued_requests", None)
+        if queued is None:
+            return 1 << 62
+        return self.cli_args.decode_concurrency + queued
 
     # -- headers --
 
@@ -75,6 +85,11 @@ class Server:
 
     def error(self, request, message: str, status: int = 400) -> web.Response:
         return self.json_response(request, {"error": message}, status)
+
+    def unavailable(self, request, message: str, retry_after: int = 1) -> web.Response:
+        response = self.error(request, message, 503)
+        response.headers["Retry-After"] = str(retry_after)
+        return response
 
     def not_found(self, request) -> web.Response:
         # Upstream answers a plain "Not Found" body with a JSON content type.
@@ -113,7 +128,11 @@ class Server:
                 return self.handle_health(request)
             if request.path == "/v1/cache/stats":
                 return self.json_response(request, self.engine.store.snapshot())
+            if request.path == "/v1/stats":
+                return self.json_response(request, self.stats())
             return self.not_found(request)
+        if request.method == "DELETE" and request.path == "/v1/cache":
+            return self.json_response(request, self.engine.clear_cache())
         if request.method == "POST":
             if request.path not in COMPLETION_PATHS:
                 return self.not_found(request)
@@ -121,12 +140,28 @@ class Server:
         return self.error(request, f"Unsupported method ({request.method!r})", 501)
 
     def handle_health(self, request):
-        healthy = self.engine.is_healthy
+        if self.engine.is_healthy:
+            return self.json_response(request, {"status": "ok"})
         return self.json_response(
             request,
-            {"status": "ok" if healthy else "unavailable"},
-            200 if healthy else 503,
+            {"status": "unavailable", "reason": self.engine.unhealthy_reason},
+            503,
         )
+
+    def stats(self) -> dict:
+        engine = self.engine
+        return {
+            "engine": {
+                "healthy": engine.is_healthy,
+                "unhealthy_reason": engine.unhealthy_reason,
+                "restarts": engine.restarts,
+                "active_requests": engine.active_requests,
+                "queued_requests": engine.requests.qsize(),
+            },
+            "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
+            "memory": engine.memory(),
+            "cache": engine.store.snapshot(),
+        }
 
     async def handle_models(self, request):
         loop = asyncio.get_running_loop()
@@ -168,7 +203,16 @@ class Server:
     async def _read_body(self, request):
         if request.headers.get("Content-Length") is None:
             raise RequestError("Content-Length header is required", 411)
-        raw = await request.read()
+        limit = getattr(self.cli_args, "max_request_bytes", None)
+        too_large = RequestError(
+            f"Request body is larger than {limit} bytes (--max-request-bytes)", 413
+        )
+        if limit is not None and (request.content_length or 0) > limit:
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
         try:
             text = raw.decode()
         except UnicodeDecodeError as e:
@@ -190,6 +234,23 @@ class Server:
         return max(sizes) if sizes else None
 
     async def handle_completion(self, request: web.Request):
+        if not self.engine.is_healthy:
+            return self.unavailable(
+                request, f"Generation engine unavailable: {self.engine.unhealthy_reason}"
+            )
+        if self.in_flight >= self.max_in_flight:
+            return self.unavailable(
+                request,
+                f"Server busy: {self.in_flight} requests in flight "
+                "(--decode-concurrency + --max-queued-requests)",
+            )
+        self.in_flight += 1
+        try:
+            return await self._handle_completion(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle_completion(self, request: web.Request):
         try:
             body = await self._read_body(request)
             parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
@@ -224,10 +285,12 @@ class Server:
         try:
             self.engine.submit(channel, parsed.request, parsed.args)
         except EngineUnavailable as e:
-            return self.error(request, str(e), 503)
+            return self.unavailable(request, str(e))
 
         try:
             first = await channel.get()
+            if isinstance(first, EngineUnavailable):
+                return self.unavailable(request, str(first))
             if isinstance(first, Exception):
                 return self.error(request, str(first), _status_of(first))
             ctx = first
@@ -250,6 +313,8 @@ class Server:
             item = await channel.get()
             if item is None:
                 break
+            if isinstance(item, EngineUnavailable):
+                return self.unavailable(request, str(item))
             if isinstance(item, Exception):
                 return self.error(request, str(item), 500)
             if isinstance(item, tuple):
@@ -327,6 +392,7 @@ def _status_of(error: Exception) -> int:
 
 
 def make_app(server: Server) -> web.Application:
-    app = web.Application(client_max_size=1024**3)
+    limit = getattr(server.cli_args, "max_request_bytes", None) or 1024**3
+    app = web.Application(client_max_size=limit)
     app.router.add_route("*", "/{tail:.*}", server.dispatch)
     return app

@@ -39,8 +39,14 @@ def build(cli_args):
 
 
 async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
+    # On stop, aiohttp closes the listening socket, gives running handlers
+    # shutdown_timeout seconds to finish, then cancels them (and a cancelled
+    # handler cancels its request in the engine).
     runner = web.AppRunner(
-        make_app(server), handler_cancellation=True, access_log=None
+        make_app(server),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=server.cli_args.shutdown_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -49,6 +55,10 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
     try:
         await stop.wait()
     finally:
+        logging.info(
+            f"Stopping: {server.in_flight} request(s) in flight get up to "
+            f"{server.cli_args.shutdown_timeout:g} s to finish"
+        )
         await runner.cleanup()
 
 

@@ -29,6 +29,7 @@ import copy
 import gc
 import logging
 import pickle
+import time
 from queue import Empty, Queue
 from threading import Thread
 from typing import Any, Dict, Optional
@@ -69,12 +70,25 @@ class Channel:
     """
 
     cancelled = False
+    cancelled_at: Optional[float] = None  # time.monotonic() of the cancel
+    removed_at: Optional[float] = None  # when the engine let the request go
 
     def put(self, item):
         pass
 
     def cancel(self):
+        if not self.cancelled:
+            self.cancelled_at = time.monotonic()
         self.cancelled = True
+
+    def removed(self):
+        """The engine dropped this cancelled request (disconnect latency)."""
+        if self.removed_at is None:
+            self.removed_at = time.monotonic()
+
+
+class _Cancelled(Exception):
+    """The client of the request being prefilled went away."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -101,7 +115,21 @@ class Engine:
         self._rank = group.rank()
         self._time_budget = TimeBudget()
         self._stop = False
-        self._failed = False
+        # Why the engine is down (None while it serves), for /health.
+        self.unhealthy_reason: Optional[str] = None
+        self.restarts = 0
+        self.restart_delay = 1.0
+        self.max_restarts = 5  # within restart_window seconds, then stay down
+        self.restart_window = 60.0
+        self._crash_times = []
+        # What the generation thread holds, so a crash can answer every
+        # request it had taken (the batch, requests set aside, the one being
+        # served sequentially).
+        self._batch: Optional[_Batch] = None
+        self._pending = []
+        self._current = None
+        self._clear_buffers = False
+        self.steps = 0  # generation steps run, for disconnect measurements
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
         self._thread.daemon = True
 
@@ -113,20 +141,94 @@ class Engine:
         self._thread.start()
 
     def _run(self):
-        try:
-            self._generate()
-        except Exception as e:  # pragma: no cover - the last line of defence
-            logging.exception(f"mlx_lm_plus generation thread died: {e}")
-            self._failed = True
+        """The generation thread: run the loop, and restart it if it dies.
+
+        Failures inside one request or one batch step are handled below this
+        level. Anything that still escapes (a bug, a fault in MLX) lands here:
+        every request the thread held gets an EngineUnavailable, /health says
+        503 and new completions fail fast while the loop restarts with the
+        model it had loaded. Past max_restarts crashes in restart_window
+        seconds it stays down and says so, rather than crash-loop.
+        """
+        while not self._stop:
+            try:
+                self._generate()
+                return
+            except BaseException as e:
+                logging.exception(f"mlx_lm_plus generation thread died: {e!r}")
+                self.unhealthy_reason = f"generation thread died: {e!r}"
+                self._fail_held(EngineUnavailable(f"generation engine failed: {e!r}"))
+                now = time.monotonic()
+                self._crash_times = [
+                    t for t in self._crash_times if now - t < self.restart_window
+                ] + [now]
+                if len(self._crash_times) > self.max_restarts or not isinstance(e, Exception):
+                    self.unhealthy_reason += " (not restarted: too many failures)"
+                    self._fail_queue(EngineUnavailable(self.unhealthy_reason))
+                    return
+                time.sleep(self.restart_delay)
+                self.restarts += 1
+                logging.warning(f"Restarting the generation loop (restart {self.restarts})")
+                self.unhealthy_reason = None
+
+    def _fail_held(self, error: Exception):
+        """Answer every request the generation thread had taken with `error`."""
+        held = []
+        if self._batch is not None:
+            held += [r["channel"] for r in self._batch.results.values()]
+            try:
+                self._batch.close()
+            except Exception:
+                pass
+        held += [request[0] for request in self._pending]
+        if self._current is not None:
+            held.append(self._current)
+        self._batch, self._pending, self._current = None, [], None
+        for channel in held:
+            channel.put(error)
+        gc.collect()
+
+    def _fail_queue(self, error: Exception):
+        while True:
+            try:
+                channel, _, _ = self.requests.get_nowait()
+            except Empty:
+                return
+            channel.put(error)
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and not self._failed
+        return self._thread.is_alive() and self.unhealthy_reason is None
 
     def submit(self, channel, request, args):
         if not self.is_healthy:
-            raise EngineUnavailable("generation thread died")
+            raise EngineUnavailable(
+                f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
+            )
         self.requests.put((channel, request, args))
+
+    def clear_cache(self):
+        """Drop every prompt cache entry; MLX's buffer cache follows on the
+        generation thread. Returns the store's snapshot."""
+        self.store.clear()
+        self._clear_buffers = True
+        return self.store.snapshot()
+
+    @staticmethod
+    def memory() -> Dict[str, int]:
+        """MLX's allocator figures, in bytes (safe from any thread)."""
+        return {
+            "mlx_active_bytes": mx.get_active_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(),
+            "mlx_peak_bytes": mx.get_peak_memory(),
+        }
+
+    @property
+    def active_requests(self) -> int:
+        """Requests the generation thread holds (in the batch or sequential)."""
+        batch = self._batch
+        n = len(batch.results) if batch is not None else 0
+        return n + (self._current is not None)
 
     def stop_and_join(self, timeout=None):
         self._stop = True
@@ -274,19 +376,24 @@ class Engine:
         stream = mx.default_stream(mx.default_device())
         self.model_provider.load_default()
 
-        batch: Optional[_Batch] = None
         drain = False
-        pending = []  # requests taken off the queue but not yet placed
+        self._batch, self._pending = None, []  # taken off the queue, not yet placed
 
         if self._is_distributed:
             seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
             mx.random.seed(seed)
 
         while not self._stop:
+            batch = self._batch
+            if self._clear_buffers and (batch is None or not batch.active):
+                self._clear_buffers = False
+                gc.collect()
+                mx.clear_cache()
+
             request = None
             if not drain:
-                if pending:
-                    request = pending.pop()
+                if self._pending:
+                    request = self._pending.pop()
                 else:
                     busy = batch is not None and batch.active
                     request = self._next_request(timeout=None if busy else 0.1)
@@ -296,6 +403,7 @@ class Engine:
                 # (Under mx.distributed every rank has already taken it; it
                 # leaves the batch at the next step instead.)
                 if channel.cancelled and not self._is_distributed:
+                    channel.removed()
                     continue
                 batchable = self._is_batchable(req, args)
                 same_model = (
@@ -317,15 +425,17 @@ class Engine:
                         channel.put(e)
                         continue
                     if not batchable:
+                        self._current = channel
                         self._serve_single(channel, req, args, stream)
+                        self._current = None
                         continue
-                    batch = _Batch(self, model, tokenizer, stream)
-                    pending.append(request)
+                    self._batch = _Batch(self, model, tokenizer, stream)
+                    self._pending.append(request)
                 else:
                     # A different model or a sequential request: finish the
                     # running batch first.
                     drain = True
-                    pending.append(request)
+                    self._pending.append(request)
                 continue
 
             if batch is None:
@@ -333,7 +443,7 @@ class Engine:
             if not batch.active:
                 if drain:
                     batch.close()
-                    batch = None
+                    self._batch = None
                     drain = False
                 continue
 
@@ -344,6 +454,8 @@ class Engine:
             else:
                 batch.step()
 
+        self._fail_held(EngineUnavailable("server shutting down"))
+        self._fail_queue(EngineUnavailable("server shutting down"))
         self.model_provider.reset()
         gc.collect()
 
@@ -368,10 +480,17 @@ class Engine:
                 if draft_model is not None:
                     cache += make_prompt_cache(draft_model)
             channel.put(ctx)
+
+            def progress(done, total):
+                # Called between prefill chunks: a client that went away
+                # stops the prefill there.
+                if channel.cancelled and not self._is_distributed:
+                    raise _Cancelled
+                channel.put((done, total))
+
             if draft_model is None and plan.vision is None:
                 rest = self._prefill_checkpoints(
-                    model, cache, plan, ctx.prompt_cache_count,
-                    lambda done, total: channel.put((done, total)),
+                    model, cache, plan, ctx.prompt_cache_count, progress
                 )
 
             input_embeddings = None
@@ -397,7 +516,7 @@ class Engine:
                 draft_model=draft_model,
                 num_draft_tokens=args.num_draft_tokens,
                 input_embeddings=input_embeddings,
-                prompt_progress_callback=lambda done, total: channel.put((done, total)),
+                prompt_progress_callback=progress,
                 prefill_step_size=self.cli_args.prefill_step_size,
                 kv_bits=self.cli_args.kv_bits,
                 kv_group_size=self.cli_args.kv_group_size,
@@ -418,12 +537,22 @@ class Engine:
                 cache_key.append(gen.token)
                 # Ranks other than 0 can't see the client, so under
                 # mx.distributed the request runs to its end, as upstream.
+                self.steps += 1
                 gone = ctx._should_stop or channel.cancelled
                 if (gone and not self._is_distributed) or finish_reason is not None:
                     break
+            if channel.cancelled:
+                channel.removed()
             channel.put(None)
             self._store(cache_key, cache, "generated")
             self._log_store()
+        except _Cancelled:
+            channel.removed()
+            logging.info(
+                "Stopped the prefill of a cancelled request, "
+                f"{(channel.removed_at - channel.cancelled_at) * 1000:.1f} ms after "
+                "the disconnect"
+            )
         except Exception as e:
             logging.exception("Sequential generation failed")
             channel.put(e)
@@ -520,6 +649,7 @@ class _Batch:
             "segment_types": segment_types[::-1],
             "logprobs": args.logprobs,
             "top_logprobs": args.top_logprobs,
+            "decoding": False,  # set at its first generated token
         }
         del cache
 
@@ -542,10 +672,27 @@ class _Batch:
         ]
         stopped = engine._share_object(stopped)
         if stopped:
-            self.generator.remove(stopped)
+            # Work done for a request in decode stays useful: its cache covers
+            # its prompt and the tokens generated so far, as at a normal end.
+            decoding = [uid for uid in stopped if self.results[uid]["decoding"]]
+            kept = self.generator.remove(stopped, return_prompt_caches=True)
+            for uid in decoding:
+                cache, tokens = kept[uid]
+                engine.store.insert(self.model_key, tokens[:], cache, "generated")
+            del kept
+            waits = []
             for uid in stopped:
-                self.results.pop(uid, None)
-            logging.info(f"Removed {len(stopped)} cancelled request(s) from the batch")
+                result = self.results.pop(uid, None)
+                if result is None:
+                    continue
+                channel = result["channel"]
+                channel.removed()
+                if channel.cancelled_at is not None:
+                    waits.append(channel.removed_at - channel.cancelled_at)
+            logging.info(
+                f"Removed {len(stopped)} cancelled request(s) from the batch"
+                + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")
+            )
 
         try:
             return self._step()
@@ -555,6 +702,7 @@ class _Batch:
 
     def _step(self) -> bool:
         engine = self.engine
+        engine.steps += 1
         prompt_responses, gen_responses = self.generator.next()
         if not prompt_responses and not gen_responses:
             return False
@@ -577,6 +725,7 @@ class _Batch:
 
         for r in gen_responses:
             result = self.results[r.uid]
+            result["decoding"] = True
             detokenizer = result["detokenizer"]
             # The stop token itself is not decoded.
             if r.finish_reason != "stop":

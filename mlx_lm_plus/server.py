@@ -15,7 +15,16 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.utils import _parse_size
 
 # Flags mlx_lm.server does not have. Documented in the README.
-OUR_FLAGS = ("--prompt-cache-ttl", "--allow-model-loading", "--api-key")
+OUR_FLAGS = (
+    "--prompt-cache-ttl",
+    "--allow-model-loading",
+    "--api-key",
+    "--max-request-bytes",
+    "--max-messages",
+    "--max-tokens-ceiling",
+    "--max-queued-requests",
+    "--shutdown-timeout",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,6 +209,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("MLX_LM_PLUS_API_KEY"),
         help="(mlx_lm_plus) Require `Authorization: Bearer KEY` on every "
         "endpoint but /health (default: $MLX_LM_PLUS_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=128 * 1024**2,
+        help="(mlx_lm_plus) Largest request body accepted; larger ones get 413 "
+        "(default: 128 MiB)",
+    )
+    parser.add_argument(
+        "--max-messages",
+        type=int,
+        default=4096,
+        help="(mlx_lm_plus) Most messages in one chat request (default: 4096)",
+    )
+    parser.add_argument(
+        "--max-tokens-ceiling",
+        type=int,
+        default=None,
+        help="(mlx_lm_plus) Largest max_tokens a request may ask for; larger "
+        "ones get 400 (default: no ceiling)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="(mlx_lm_plus) Requests that may wait beyond --decode-concurrency; "
+        "more get 503 with Retry-After (default: 256)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="(mlx_lm_plus) Seconds running requests get to finish on "
+        "SIGTERM/SIGINT before they are cancelled (default: 10)",
     )
     return parser
 

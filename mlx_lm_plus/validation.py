@@ -136,6 +136,26 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
             )
 
 
+def _validate_limits(p: Dict[str, Any], body: Dict[str, Any], cli) -> None:
+    """The server's configured limits (--max-tokens-ceiling, --max-messages)."""
+    ceiling = getattr(cli, "max_tokens_ceiling", None)
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    if ceiling is not None and asked is None:
+        # The server's default (--max-tokens) is held to the ceiling too.
+        p["max_tokens"] = min(p["max_tokens"], ceiling)
+    if ceiling is not None and p["max_tokens"] > ceiling:
+        raise RequestError(
+            f"max_tokens must be at most {ceiling} on this server (--max-tokens-ceiling)"
+        )
+    most = getattr(cli, "max_messages", None)
+    messages = body.get("messages")
+    if most is not None and isinstance(messages, list) and len(messages) > most:
+        raise RequestError(
+            f"Too many messages: {len(messages)} (this server takes at most {most}, "
+            "--max-messages)"
+        )
+
+
 def _stop_words(body):
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -186,6 +206,7 @@ def parse_request(
     p = _read_params(body, cli)
     _validate_upstream(p)
     _validate_extra(p, vocab_size)
+    _validate_limits(p, body, cli)
     if p["chat_template_kwargs"] is not None and not isinstance(
         p["chat_template_kwargs"], dict
     ):

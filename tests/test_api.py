@@ -26,6 +26,10 @@ class ScriptedEngine:
     def is_healthy(self):
         return self.healthy
 
+    @property
+    def unhealthy_reason(self):
+        return None if self.healthy else "generation thread died: RuntimeError('boom')"
+
     def submit(self, channel, request, args):
         if not self.healthy:
             raise EngineUnavailable("generation thread died")
@@ -87,10 +91,12 @@ async def test_engine_down_is_503_and_health_says_so(aiohttp_client):
     engine.healthy = False
     client = await make_client(aiohttp_client, engine)
     r = await client.get("/health")
-    assert (r.status, await r.json()) == (503, {"status": "unavailable"})
+    reason = "generation thread died: RuntimeError('boom')"
+    assert (r.status, await r.json()) == (503, {"status": "unavailable", "reason": reason})
     r = await client.post("/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "x"}]})
-    assert (r.status, await r.json()) == (503, {"error": "generation thread died"})
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    assert await r.json() == {"error": f"Generation engine unavailable: {reason}"}
 
 
 async def test_prompt_error_is_400(aiohttp_client):
@@ -160,3 +166,48 @@ async def test_api_key_guards_everything_but_health(aiohttp_client):
     r = await client.post("/v1/chat/completions", json=body,
                           headers={"Authorization": "Bearer s3cret"})
     assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_limits_body_size_messages_max_tokens(aiohttp_client):
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, [
+        "--max-request-bytes", "2000", "--max-messages", "3", "--max-tokens-ceiling", "64"])
+    big = {"messages": [{"role": "user", "content": "x" * 3000}]}
+    r = await client.post("/v1/chat/completions", json=big)
+    assert r.status == 413
+    assert await r.json() == {"error": "Request body is larger than 2000 bytes (--max-request-bytes)"}
+    four = {"messages": [{"role": "user", "content": "hi"}] * 4}
+    r = await client.post("/v1/chat/completions", json=four)
+    assert r.status == 400 and "Too many messages: 4" in (await r.json())["error"]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65})
+    assert (r.status, await r.json()) == (400, {
+        "error": "max_tokens must be at most 64 on this server (--max-tokens-ceiling)"})
+    assert engine.channels == []  # none of them reached the engine
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}] * 3, "max_tokens": 64})
+    assert r.status == 200, await r.text()
+    assert len(engine.channels) == 1
+
+
+async def test_queue_limit_is_503_with_retry_after(aiohttp_client):
+    release = threading.Event()
+    # Each request is accepted, then holds its place until released.
+    engine = ScriptedEngine([ctx(), lambda ch: release.wait(10), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, [
+        "--decode-concurrency", "1", "--max-queued-requests", "1"])
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    held = [asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            for _ in range(2)]
+    for _ in range(100):
+        if len(engine.channels) == 2:
+            break
+        await asyncio.sleep(0.02)
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    assert "Server busy: 2 requests in flight" in (await r.json())["error"]
+    assert len(engine.channels) == 2
+    release.set()
+    assert [(await t).status for t in held] == [200, 200]
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status == 200

@@ -274,3 +274,60 @@ def test_sigterm_exits_cleanly(fixture_path, tmp_path):
         assert chat(s, user("hi"), max_tokens=2)[0] == 200
         os.killpg(s.proc.pid, signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0
+
+
+def test_sigterm_finishes_short_requests_cuts_long_ones_and_exits_0(fixture_path, tmp_path):
+    """Graceful shutdown: the listener closes at once, a request that ends
+    within --shutdown-timeout ends normally, one that would not is cut there,
+    and the process exits 0."""
+    import os
+    import signal
+    import socket
+    import threading
+    import time
+
+    log = tmp_path / "server.log"
+    s = ServerProcess(OURS, ["--model", str(fixture_path("qwen3")), "--shutdown-timeout", "5"],
+                      log=log).start()
+    try:
+        results = {}
+
+        def send(name, body):
+            try:
+                results[name] = s.request("POST", "/v1/chat/completions", body, timeout=60)
+            except Exception as e:  # the long stream is cut mid-body
+                results[name] = e
+
+        long = threading.Thread(target=send, args=("long", {
+            "messages": user("Go on forever."), "max_tokens": 10**6, "stream": True}))
+        long.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if s.get("/v1/stats")[1]["engine"]["active_requests"] == 1:
+                break
+            time.sleep(0.05)
+        short = threading.Thread(target=send, args=("short", {
+            "messages": user("Brief."), "max_tokens": 400}))
+        short.start()
+        while time.time() < deadline:
+            if s.get("/v1/stats")[1]["engine"]["active_requests"] == 2:
+                break
+            time.sleep(0.01)
+        stopped_at = time.time()
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", s.port), timeout=2).close()
+        assert s.proc.wait(30) == 0
+        took = time.time() - stopped_at
+        short.join(10)
+        long.join(10)
+        status, _, body = results["short"]
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 400
+        # The long stream was cut after the bound, not before it.
+        assert 5 <= took < 25, took
+        text = s.log_tail(10**6)
+        assert "2 request(s) in flight get up to 5 s to finish" in text
+        assert "Server stopped" in text
+    finally:
+        s.stop()
