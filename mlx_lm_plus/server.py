@@ -21,6 +21,9 @@ OUR_FLAGS = (
     "--api-key",
     "--max-request-bytes",
     "--max-messages",
+    "--max-images",
+    "--max-image-bytes",
+    "--max-image-pixels",
     "--max-tokens-ceiling",
     "--max-queued-requests",
     "--shutdown-timeout",
@@ -222,6 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4096,
         help="(mlx_lm_plus) Most messages in one chat request (default: 4096)",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=int,
+        default=16,
+        help="(mlx_lm_plus) Most images in one request (default: 16)",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=20 * 1024**2,
+        help="(mlx_lm_plus) Largest encoded image; larger ones get 413 (default: 20 MiB)",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=40_000_000,
+        help="(mlx_lm_plus) Most pixels (width x height) in one image, checked "
+        "before decoding (default: 40,000,000)",
     )
     parser.add_argument(
         "--max-tokens-ceiling",

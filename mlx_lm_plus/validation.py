@@ -6,6 +6,9 @@ a value that later kills its generation thread, we reject it here with a
 message in the same style (see `_validate_extra`).
 """
 
+import base64
+import binascii
+import io
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -15,6 +18,8 @@ from mlx_lm.server import (
     LogitsProcessorArguments,
     ModelDescription,
     SamplingArguments,
+    _image_parts,
+    _image_url,
 )
 
 
@@ -156,6 +161,60 @@ def _validate_limits(p: Dict[str, Any], body: Dict[str, Any], cli) -> None:
         )
 
 
+def _validate_images(body: Dict[str, Any], cli) -> None:
+    """Image parts: data URLs only, within the configured count, bytes and pixels.
+
+    Only the image header is read here (PIL opens lazily), so a
+    decompression bomb is refused before anything is decoded. Upstream
+    fetches http(s) URLs from the server, which lets any client make the
+    server read arbitrary URLs; we refuse them.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    urls = [_image_url(p) for p in _image_parts(messages)]
+    if not urls:
+        return
+    most = getattr(cli, "max_images", None)
+    if most is not None and len(urls) > most:
+        raise RequestError(f"Too many images: {len(urls)} (at most {most}, --max-images)")
+    max_bytes = getattr(cli, "max_image_bytes", None)
+    max_pixels = getattr(cli, "max_image_pixels", None)
+    for i, url in enumerate(urls):
+        if not isinstance(url, str):
+            raise RequestError(f"Image {i}: the url must be a string")
+        if url.startswith(("http://", "https://")):
+            raise RequestError(
+                f"Image {i}: remote image URLs are not fetched by this server; "
+                "send the image as a data URL (data:image/png;base64,...)"
+            )
+        if not url.startswith("data:") or "," not in url:
+            raise RequestError(f"Image {i}: images must be data URLs (data:<mime>;base64,<data>)")
+        payload = url.partition(",")[2]
+        if max_bytes is not None and len(payload) * 3 // 4 > max_bytes:
+            raise RequestError(
+                f"Image {i} is larger than {max_bytes} bytes (--max-image-bytes)", 413
+            )
+        try:
+            data = base64.b64decode(payload, validate=False)
+        except (binascii.Error, ValueError) as e:
+            raise RequestError(f"Image {i}: invalid base64 data ({e})") from e
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise RequestError(f"Image {i} could not be decoded: {e}") from e
+        except Image.DecompressionBombError as e:
+            raise RequestError(f"Image {i} is too large: {e}") from e
+        if max_pixels is not None and width * height > max_pixels:
+            raise RequestError(
+                f"Image {i} has {width}x{height} pixels, more than {max_pixels} "
+                "(--max-image-pixels)"
+            )
+
+
 def _stop_words(body):
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -213,6 +272,7 @@ def parse_request(
         raise RequestError("chat_template_kwargs must be of type dict")
     stop_words = _stop_words(body)
     request = _completion_request(path, body)
+    _validate_images(body, cli)
     args = GenerationArguments(
         model=ModelDescription(
             model=p["requested_model"],

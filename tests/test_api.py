@@ -183,6 +183,12 @@ async def test_limits_body_size_messages_max_tokens(aiohttp_client):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 65})
     assert (r.status, await r.json()) == (400, {
         "error": "max_tokens must be at most 64 on this server (--max-tokens-ceiling)"})
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + "A" * 400}}]}]}
+    client2 = await make_client(aiohttp_client, engine, ["--max-image-bytes", "200"])
+    r = await client2.post("/v1/chat/completions", json=image)
+    assert (r.status, await r.json()) == (413, {
+        "error": "Image 0 is larger than 200 bytes (--max-image-bytes)"})
     assert engine.channels == []  # none of them reached the engine
     r = await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}] * 3, "max_tokens": 64})

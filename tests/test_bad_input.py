@@ -6,7 +6,11 @@ good (stop that is not strings, an empty or list prompt, top_k beyond the
 vocabulary, ...).
 """
 
+import base64
+import io
 import json
+import struct
+import zlib
 
 import pytest
 
@@ -14,6 +18,32 @@ from compat.launch import OURS, ServerProcess
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
+
+
+def png_url(width, height):
+    """A data URL of a PNG whose header says width x height (no pixel data
+    for the big ones: a decompression bomb is refused from its header)."""
+    if width * height <= 64:
+        from PIL import Image
+
+        out = io.BytesIO()
+        Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
+        data = out.getvalue()
+    else:
+        def chunk(kind, payload):
+            body = kind + payload
+            return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
+
+        ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+        data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+                + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_chat(url, count=1):
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * count
+    return {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, *parts]}], "max_tokens": 2}
 
 
 def chat(**kw):
@@ -56,6 +86,17 @@ CASES = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
     (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+    # images: remote, not data URLs, bad base64, not an image, a bomb, too many
+    (CHAT, image_chat("https://example.com/cat.png")),
+    (CHAT, image_chat("http://127.0.0.1:1/x.png")),
+    (CHAT, image_chat("file:///etc/passwd")),
+    (CHAT, image_chat(5)),
+    (CHAT, image_chat("data:image/png;base64,@@@@")),
+    (CHAT, image_chat("data:image/png;base64," + base64.b64encode(b"not an image").decode())),
+    (CHAT, image_chat(png_url(100_000, 100_000))),
+    (CHAT, image_chat(png_url(8_000, 8_000))),
+    (CHAT, image_chat(png_url(2, 2), count=17)),
+    (CHAT, image_chat(png_url(2, 2))),  # a real image, but a model without vision
     # text completions
     (TEXT, {"messages": []}),
     (TEXT, {"prompt": ""}),
