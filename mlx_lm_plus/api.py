@@ -13,14 +13,17 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 from aiohttp import web
 
 from .engine import Channel, EngineUnavailable, PromptError
+from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
 from .validation import RequestError, parse_request
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+DASHBOARD = Path(__file__).with_name("dashboard.html")
 
 
 class AsyncChannel(Channel):
@@ -44,13 +47,15 @@ class AsyncChannel(Channel):
 class Server:
     """The handlers, with the engine and the settings they need."""
 
-    def __init__(self, cli_args, engine, model_provider, system_fingerprint: str):
+    def __init__(self, cli_args, engine, model_provider, system_fingerprint: str,
+                 metrics: Optional[Metrics] = None):
         self.cli_args = cli_args
         self.engine = engine
         self.model_provider = model_provider
         self.system_fingerprint = system_fingerprint
         # Completions accepted and not yet answered (the event loop's own count).
         self.in_flight = 0
+        self.metrics = metrics
 
     @property
     def max_in_flight(self) -> int:
@@ -104,7 +109,9 @@ class Server:
 
     def authorized(self, request: web.Request) -> bool:
         key = getattr(self.cli_args, "api_key", None)
-        if not key or request.path == "/health":
+        # /dashboard is a static page with no data in it; what it shows comes
+        # from /v1/stats, which the key guards (the page asks for the key).
+        if not key or request.path in ("/health", "/dashboard"):
             return True
         given = request.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
@@ -129,7 +136,20 @@ class Server:
             if request.path == "/v1/cache/stats":
                 return self.json_response(request, self.engine.store.snapshot())
             if request.path == "/v1/stats":
-                return self.json_response(request, self.stats())
+                return self.json_response(request, self.stats(request.query))
+            if request.path == "/metrics" and self.metrics is not None:
+                return web.Response(
+                    body=self.metrics.exposition(),
+                    headers={"Content-Type": self.metrics.content_type,
+                             **self.cors_headers(request)},
+                )
+            if request.path == "/dashboard":
+                return web.Response(
+                    body=DASHBOARD.read_bytes(),
+                    content_type="text/html",
+                    charset="utf-8",
+                    headers=self.cors_headers(request),
+                )
             return self.not_found(request)
         if request.method == "DELETE" and request.path == "/v1/cache":
             return self.json_response(request, self.engine.clear_cache())
@@ -148,9 +168,13 @@ class Server:
             503,
         )
 
-    def stats(self) -> dict:
+    def stats(self, query=None) -> dict:
+        """/v1/stats: engine, memory and cache now; with metrics on, the
+        recent requests (`?since=T`: only those ended after T, `?limit=N`),
+        the time series and the cache entries."""
+        query = query or {}
         engine = self.engine
-        return {
+        stats = {
             "engine": {
                 "healthy": engine.is_healthy,
                 "unhealthy_reason": engine.unhealthy_reason,
@@ -162,6 +186,15 @@ class Server:
             "memory": engine.memory(),
             "cache": engine.store.snapshot(),
         }
+        if self.metrics is not None:
+            try:
+                limit = int(query.get("limit", 1000))
+                since = float(query.get("since", 0))
+            except ValueError:
+                limit, since = 1000, 0.0
+            stats.update(self.metrics.stats(limit=limit, since=since))
+            stats["entries"] = cache_entries(engine.store)
+        return stats
 
     async def handle_models(self, request):
         loop = asyncio.get_running_loop()
@@ -234,28 +267,42 @@ class Server:
         return max(sizes) if sizes else None
 
     async def handle_completion(self, request: web.Request):
-        if not self.engine.is_healthy:
-            return self.unavailable(
-                request, f"Generation engine unavailable: {self.engine.unhealthy_reason}"
-            )
-        if self.in_flight >= self.max_in_flight:
-            return self.unavailable(
-                request,
-                f"Server busy: {self.in_flight} requests in flight "
-                "(--decode-concurrency + --max-queued-requests)",
-            )
-        self.in_flight += 1
+        track = _Tracker(request.path)
+        response = None
         try:
-            return await self._handle_completion(request)
+            if not self.engine.is_healthy:
+                response = self.unavailable(
+                    request, f"Generation engine unavailable: {self.engine.unhealthy_reason}"
+                )
+            elif self.in_flight >= self.max_in_flight:
+                response = self.unavailable(
+                    request,
+                    f"Server busy: {self.in_flight} requests in flight "
+                    "(--decode-concurrency + --max-queued-requests)",
+                )
+            else:
+                self.in_flight += 1
+                try:
+                    response = await self._handle_completion(request, track)
+                finally:
+                    self.in_flight -= 1
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (aiohttp cancels the handler).
+            track.cancelled = True
+            raise
         finally:
-            self.in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.observe(track.finish(response))
 
-    async def _handle_completion(self, request: web.Request):
+    async def _handle_completion(self, request: web.Request, track: "_Tracker"):
         try:
             body = await self._read_body(request)
             parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
         except RequestError as e:
             return self.error(request, str(e), e.status)
+        track.record.model = parsed.requested_model
+        track.record.stream = parsed.stream
 
         if not self.model_provider.is_served(parsed.args.model):
             desc = parsed.args.model
@@ -272,6 +319,7 @@ class Server:
         else:
             request_id = f"chatcmpl-{uuid.uuid4()}"
             object_type = "chat.completion.chunk" if parsed.stream else "chat.completion"
+        track.record.id = request_id
         builder = ResponseBuilder(
             request_id=request_id,
             object_type=object_type,
@@ -301,14 +349,16 @@ class Server:
                 parsed.args.logprobs,
                 parsed.args.top_logprobs,
             )
+            track.accepted(ctx, assembler)
             if parsed.stream:
-                return await self._stream(request, channel, ctx, assembler, builder, parsed)
-            return await self._complete(request, channel, ctx, assembler, builder)
+                return await self._stream(request, channel, ctx, assembler, builder, parsed,
+                                          track)
+            return await self._complete(request, channel, ctx, assembler, builder, track)
         finally:
             # Whatever happened (done, error, disconnect), the engine may stop.
             channel.cancel()
 
-    async def _complete(self, request, channel, ctx, assembler, builder):
+    async def _complete(self, request, channel, ctx, assembler, builder, track):
         while True:
             item = await channel.get()
             if item is None:
@@ -319,6 +369,8 @@ class Server:
                 return self.error(request, str(item), 500)
             if isinstance(item, tuple):
                 continue
+            if track.first is None:
+                track.first = time.perf_counter()
             assembler.add(item)
         assembler.finish()
         resp = builder.response(
@@ -335,7 +387,7 @@ class Server:
         )
         return self.json_response(request, resp)
 
-    async def _stream(self, request, channel, ctx, assembler, builder, parsed):
+    async def _stream(self, request, channel, ctx, assembler, builder, parsed, track):
         response = web.StreamResponse(
             status=200,
             headers={
@@ -356,6 +408,7 @@ class Server:
             if isinstance(item, Exception):
                 # Headers are gone: report in the stream, then end it.
                 logging.error(f"Generation failed mid-stream: {item}")
+                track.error = str(item)
                 await send({"error": str(item)})
                 await response.write(b"data: [DONE]\n\n")
                 return response
@@ -363,6 +416,8 @@ class Server:
                 done, total = item
                 await response.write(f": keepalive {done}/{total}\n\n".encode())
                 continue
+            if track.first is None:
+                track.first = time.perf_counter()
             if assembler.add(item):
                 text, tool_calls, reasoning = assembler.take_delta()
                 await send(builder.response(text, None, tool_calls=tool_calls,
@@ -383,6 +438,55 @@ class Server:
         return response
 
 
+class _Tracker:
+    """Stamps and counts of one completion request, for the metrics.
+
+    Set at arrival, when the engine accepts it, at its first token and at the
+    end: nothing per token but one comparison.
+    """
+
+    def __init__(self, endpoint: str):
+        self.record = RequestRecord(
+            id="", endpoint=endpoint, model="", status=0, started=time.time()
+        )
+        self.start = time.perf_counter()
+        self.accepted_at = self.first = None
+        self.ctx = self.assembler = None
+        self.cancelled = False
+        self.error = None
+
+    def accepted(self, ctx, assembler):
+        self.accepted_at = time.perf_counter()
+        self.ctx, self.assembler = ctx, assembler
+
+    def finish(self, response) -> RequestRecord:
+        end = time.perf_counter()
+        r = self.record
+        r.ended = time.time()
+        r.total_seconds = end - self.start
+        if self.ctx is not None:
+            r.prompt_tokens = len(self.ctx.prompt)
+            r.cached_tokens = self.ctx.prompt_cache_count or 0
+            r.images = getattr(self.ctx, "images", 0)
+        if self.assembler is not None:
+            r.generated_tokens = len(self.assembler.tokens)
+        if self.first is not None:
+            r.ttft = self.first - self.start
+            r.prefill_seconds = self.first - self.accepted_at
+            r.decode_seconds = end - self.first
+        if self.cancelled:
+            r.status, r.finish_reason = 499, "cancelled"  # nginx's "client closed request"
+        else:
+            r.status = response.status if response is not None else 500
+            if self.error is not None:
+                r.finish_reason, r.error = "error", self.error
+            elif r.status == 200 and self.assembler is not None:
+                r.finish_reason = self.assembler.finish_reason
+            elif r.status != 200:
+                r.finish_reason = "error"
+        return r
+
+
 def _status_of(error: Exception) -> int:
     if isinstance(error, PromptError):
         return 400
@@ -395,4 +499,23 @@ def make_app(server: Server) -> web.Application:
     limit = getattr(server.cli_args, "max_request_bytes", None) or 1024**3
     app = web.Application(client_max_size=limit)
     app.router.add_route("*", "/{tail:.*}", server.dispatch)
+    if server.metrics is not None:
+        app.cleanup_ctx.append(_sample_every_second(server.metrics))
     return app
+
+
+def _sample_every_second(metrics: Metrics):
+    async def sampler(app):
+        async def loop():
+            while True:
+                try:
+                    metrics.sample()
+                except Exception:
+                    logging.exception("Metrics sample failed")
+                await asyncio.sleep(1.0)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    return sampler

@@ -14,6 +14,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from .api import Server, make_app
 from .cache import PromptStore, default_budget
 from .engine import Engine
+from .metrics import Metrics
 from .models import ModelProvider, resolve_default_model
 
 
@@ -35,6 +36,9 @@ def build(cli_args):
     )
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
+    if not cli_args.disable_metrics:
+        server.metrics = Metrics(engine, in_flight=lambda: server.in_flight)
+        engine.metrics = server.metrics
     return engine, server
 
 

@@ -120,6 +120,10 @@ class PromptStore:
     def __len__(self):
         return len(self._entries)
 
+    def now(self) -> float:
+        """The store's clock (entries' created/last_used are on it)."""
+        return self._clock()
+
     # -- lookup --
 
     def fetch(self, model: Any, key: List[int]) -> Fetched:

@@ -130,6 +130,7 @@ class Engine:
         self._current = None
         self._clear_buffers = False
         self.steps = 0  # generation steps run, for disconnect measurements
+        self.metrics = None  # a metrics.Metrics, set by the app
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
         self._thread.daemon = True
 
@@ -213,6 +214,11 @@ class Engine:
         self.store.clear()
         self._clear_buffers = True
         return self.store.snapshot()
+
+    def _observe(self, histogram: str, value: float):
+        """A rare event for the metrics (a removal, a vision tower call)."""
+        if self.metrics is not None:
+            getattr(self.metrics, histogram).observe(value)
 
     @staticmethod
     def memory() -> Dict[str, int]:
@@ -299,6 +305,7 @@ class Engine:
             initial_state=plan.initial_state,
             prompt=plan.tokens,
         )
+        ctx.images = len(plan.vision.starts) if plan.vision is not None else 0
         return ctx, stop_sequences
 
     def _plan(self, tokenizer, request, args):
@@ -498,10 +505,12 @@ class Engine:
             if vision is not None:
                 n = sum(i < ctx.prompt_cache_count for i in vision.starts)
                 if pixel_values := vision.pixel_values[n:]:
+                    tic = time.perf_counter()
                     input_embeddings = model.embed_inputs(
                         mx.array(rest), pixel_values=pixel_values
                     )
                     mx.eval(input_embeddings)
+                    self._observe("vision_seconds", time.perf_counter() - tic)
 
             stop_matcher = stop_sequences.matcher()
             for gen in stream_generate(
@@ -548,6 +557,7 @@ class Engine:
             self._log_store()
         except _Cancelled:
             channel.removed()
+            self._observe("removal_seconds", channel.removed_at - channel.cancelled_at)
             logging.info(
                 "Stopped the prefill of a cancelled request, "
                 f"{(channel.removed_at - channel.cancelled_at) * 1000:.1f} ms after "
@@ -689,6 +699,7 @@ class _Batch:
                 channel.removed()
                 if channel.cancelled_at is not None:
                     waits.append(channel.removed_at - channel.cancelled_at)
+                    engine._observe("removal_seconds", waits[-1])
             logging.info(
                 f"Removed {len(stopped)} cancelled request(s) from the batch"
                 + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")

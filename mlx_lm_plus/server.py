@@ -27,6 +27,7 @@ OUR_FLAGS = (
     "--max-tokens-ceiling",
     "--max-queued-requests",
     "--shutdown-timeout",
+    "--disable-metrics",
 )
 
 
@@ -265,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="(mlx_lm_plus) Seconds running requests get to finish on "
         "SIGTERM/SIGINT before they are cancelled (default: 10)",
+    )
+    parser.add_argument(
+        "--disable-metrics",
+        action="store_true",
+        help="(mlx_lm_plus) Turn off /metrics, the request history of /v1/stats "
+        "and the per-request log line (default: on)",
     )
     return parser
 

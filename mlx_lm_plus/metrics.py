@@ -1,0 +1,320 @@
+"""What the server is doing: Prometheus metrics, /v1/stats and its time series.
+
+Nothing here runs per token. The HTTP handler notes four times per request
+(arrival, accepted by the engine, first token, end) and hands one
+`RequestRecord` to `Metrics.observe` when the request ends; the cache, the
+engine and MLX's memory are read when /metrics or /v1/stats is asked for
+(collectors), not updated as they change. So the generation thread pays
+nothing, and the event loop a few histogram observations per request.
+"""
+
+import json
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+from typing import Any, Deque, Dict, List, Optional
+
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+PREFIX = "mlx_lm_plus"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+SPEED_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000)
+SHARE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+HISTORY = 1000  # requests kept for /v1/stats and the dashboard
+SERIES_SECONDS = 300  # the time series: the last five minutes at 1 s
+
+
+@dataclass
+class RequestRecord:
+    """One finished request, as the HTTP side saw it."""
+
+    id: str
+    endpoint: str
+    model: str
+    status: int
+    started: float  # wall clock (time.time()) at arrival
+    ended: float = 0.0  # wall clock at the end
+    stream: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: Optional[str] = None  # stop, length, tool_calls, cancelled, error
+    ttft: Optional[float] = None  # arrival to first token, seconds
+    prefill_seconds: Optional[float] = None  # accepted to first token
+    decode_seconds: Optional[float] = None  # first token to the last
+    total_seconds: float = 0.0
+    images: int = 0
+    error: Optional[str] = None
+
+    @property
+    def computed_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    @property
+    def prefill_tps(self) -> Optional[float]:
+        if self.prefill_seconds and self.computed_tokens:
+            return self.computed_tokens / self.prefill_seconds
+        return None
+
+    @property
+    def decode_tps(self) -> Optional[float]:
+        # The first token comes out of the prefill; the rest are decode steps.
+        if self.decode_seconds and self.generated_tokens > 1:
+            return (self.generated_tokens - 1) / self.decode_seconds
+        return None
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            computed_tokens=self.computed_tokens,
+            prefill_tps=_round(self.prefill_tps),
+            decode_tps=_round(self.decode_tps),
+        )
+        for k in ("ttft", "prefill_seconds", "decode_seconds", "total_seconds"):
+            d[k] = _round(d[k], 4)
+        return d
+
+
+def _round(x, digits=1):
+    return None if x is None else round(x, digits)
+
+
+class _LiveCollector:
+    """Figures read at scrape time from the engine, the store and MLX."""
+
+    def __init__(self, metrics: "Metrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        engine = m.engine
+        cache = engine.store.snapshot()
+        g = GaugeMetricFamily(f"{PREFIX}_cache_bytes", "Bytes held by the prompt cache")
+        g.add_metric([], cache["bytes"])
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_cache_budget_bytes", "Byte budget of the prompt cache")
+        g.add_metric([], cache["budget_bytes"])
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_cache_entries", "Prompt cache entries")
+        g.add_metric([], cache["entries"])
+        yield g
+        g = GaugeMetricFamily(f"{PREFIX}_cache_tokens", "Tokens covered by prompt cache entries")
+        g.add_metric([], cache["cached_tokens"])
+        yield g
+        c = CounterMetricFamily(
+            f"{PREFIX}_cache_lookups", "Prompt cache lookups by result", labels=["result"]
+        )
+        for kind in ("exact", "prefix", "checkpoint", "trimmed"):
+            c.add_metric([kind], cache["hits"].get(kind, 0))
+        c.add_metric(["miss"], cache["misses"])
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_cache_evictions", "Prompt cache entries evicted")
+        c.add_metric([], cache["evictions"])
+        yield c
+        c = CounterMetricFamily(
+            f"{PREFIX}_cache_evicted_bytes", "Bytes freed by prompt cache evictions"
+        )
+        c.add_metric([], cache["evicted_bytes"])
+        yield c
+        c = CounterMetricFamily(f"{PREFIX}_cache_expired", "Prompt cache entries expired (TTL)")
+        c.add_metric([], cache["expired"])
+        yield c
+        c = CounterMetricFamily(
+            f"{PREFIX}_engine_restarts", "Restarts of the generation loop after a crash"
+        )
+        c.add_metric([], engine.restarts)
+        yield c
+        g = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 while the generation loop serves")
+        g.add_metric([], 1 if engine.is_healthy else 0)
+        yield g
+        g = GaugeMetricFamily(
+            f"{PREFIX}_requests_in_flight", "Completion requests accepted and not answered"
+        )
+        g.add_metric([], m.in_flight())
+        yield g
+        g = GaugeMetricFamily(
+            f"{PREFIX}_requests_queued", "Requests waiting for the generation thread"
+        )
+        g.add_metric([], engine.requests.qsize())
+        yield g
+        g = GaugeMetricFamily(
+            f"{PREFIX}_requests_active", "Requests in the batch or being served sequentially"
+        )
+        g.add_metric([], engine.active_requests)
+        yield g
+        memory = engine.memory()
+        g = GaugeMetricFamily(f"{PREFIX}_mlx_memory_bytes", "MLX allocator memory", labels=["kind"])
+        for kind in ("active", "cache", "peak"):
+            g.add_metric([kind], memory[f"mlx_{kind}_bytes"])
+        yield g
+
+
+class Metrics:
+    """The server's metrics registry, recent requests and time series."""
+
+    def __init__(self, engine, in_flight=lambda: 0, clock=time.time):
+        self.engine = engine
+        self.in_flight = in_flight
+        self._clock = clock
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = PromCounter(
+            f"{PREFIX}_requests", "Completion requests by endpoint and status",
+            ["endpoint", "status"], registry=r,
+        )
+        self.finish_reasons = PromCounter(
+            f"{PREFIX}_finish_reasons", "Why requests ended (cancelled: the client went away)",
+            ["reason"], registry=r,
+        )
+        self.disconnects = PromCounter(
+            f"{PREFIX}_disconnects", "Clients that went away before their answer ended",
+            registry=r,
+        )
+        self.prompt_tokens = PromCounter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of served requests", registry=r
+        )
+        self.cached_tokens = PromCounter(
+            f"{PREFIX}_prompt_tokens_cached", "Prompt tokens taken from the prompt cache",
+            registry=r,
+        )
+        self.computed_tokens = PromCounter(
+            f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (prefilled)", registry=r
+        )
+        self.generated_tokens = PromCounter(
+            f"{PREFIX}_generation_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_duration_seconds", "Arrival to the end of the answer",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.prefill_tps = Histogram(
+            f"{PREFIX}_prefill_tokens_per_second",
+            "Per request: prompt tokens computed over prefill time",
+            buckets=SPEED_BUCKETS, registry=r,
+        )
+        self.decode_tps = Histogram(
+            f"{PREFIX}_decode_tokens_per_second", "Per request: generated tokens per second",
+            buckets=SPEED_BUCKETS, registry=r,
+        )
+        self.cache_match_tokens = Histogram(
+            f"{PREFIX}_cache_match_tokens", "Per request: prompt tokens reused from the cache",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=r,
+        )
+        self.cache_match_share = Histogram(
+            f"{PREFIX}_cache_match_ratio", "Per request: share of the prompt reused",
+            buckets=SHARE_BUCKETS, registry=r,
+        )
+        self.vision_seconds = Histogram(
+            f"{PREFIX}_vision_seconds", "Vision tower time per image request",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.removal_seconds = Histogram(
+            f"{PREFIX}_disconnect_removal_seconds",
+            "Disconnect to the request leaving the engine",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r,
+        )
+        r.register(_LiveCollector(self))
+
+        self.recent: Deque[RequestRecord] = deque(maxlen=HISTORY)
+        self.series: Deque[Dict[str, Any]] = deque(maxlen=SERIES_SECONDS)
+        self.totals = Counter()
+        self._last_totals = Counter()
+
+    # -- events --
+
+    def observe(self, record: RequestRecord):
+        """A request ended (answered, failed or cancelled)."""
+        self.requests.labels(record.endpoint, str(record.status)).inc()
+        t = self.totals
+        t["requests"] += 1
+        t[f"status_{record.status}"] += 1
+        if record.finish_reason:
+            self.finish_reasons.labels(record.finish_reason).inc()
+            t[f"finish_{record.finish_reason}"] += 1
+        if record.finish_reason == "cancelled":
+            self.disconnects.inc()
+            t["disconnects"] += 1
+        if record.status == 200 or record.finish_reason == "cancelled":
+            # Served (or partly served): its tokens count.
+            self.prompt_tokens.inc(record.prompt_tokens)
+            self.cached_tokens.inc(record.cached_tokens)
+            self.computed_tokens.inc(record.computed_tokens)
+            self.generated_tokens.inc(record.generated_tokens)
+            t["prompt_tokens"] += record.prompt_tokens
+            t["cached_tokens"] += record.cached_tokens
+            t["computed_tokens"] += record.computed_tokens
+            t["generated_tokens"] += record.generated_tokens
+            if record.prompt_tokens:
+                self.cache_match_tokens.observe(record.cached_tokens)
+                self.cache_match_share.observe(record.cached_tokens / record.prompt_tokens)
+        if record.ttft is not None:
+            self.ttft.observe(record.ttft)
+        if record.prefill_tps is not None:
+            self.prefill_tps.observe(record.prefill_tps)
+        if record.decode_tps is not None:
+            self.decode_tps.observe(record.decode_tps)
+        self.request_seconds.observe(record.total_seconds)
+        self.recent.append(record)
+        logging.info("Request " + json.dumps(record.as_dict(), separators=(",", ":")))
+
+    def sample(self):
+        """One point of the time series (called every second)."""
+        memory = self.engine.memory()
+        cache = self.engine.store.snapshot()
+        delta = self.totals - self._last_totals
+        self._last_totals = Counter(self.totals)
+        self.series.append({
+            "t": round(self._clock(), 3),
+            "in_flight": self.in_flight(),
+            "queued": self.engine.requests.qsize(),
+            "active": self.engine.active_requests,
+            "cache_bytes": cache["bytes"],
+            "cache_budget_bytes": cache["budget_bytes"],
+            "mlx_active_bytes": memory["mlx_active_bytes"],
+            "requests": delta["requests"],
+            "generated_tokens": delta["generated_tokens"],
+            "computed_tokens": delta["computed_tokens"],
+            "cached_tokens": delta["cached_tokens"],
+        })
+
+    # -- reports --
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def stats(self, limit: int = HISTORY, since: float = 0.0) -> Dict[str, Any]:
+        recent = [r for r in self.recent if r.ended > since]
+        recent = recent[-limit:] if limit > 0 else []
+        return {
+            "time": round(self._clock(), 3),
+            "totals": dict(self.totals),
+            "requests": [r.as_dict() for r in recent],
+            "series": [p for p in self.series if p["t"] > since],
+        }
+
+
+def cache_entries(store, limit: int = 200) -> List[Dict[str, Any]]:
+    """The store's entries for the dashboard's table, most recently used first."""
+    now = store.now()
+    rows = []
+    for e in sorted(store.entries(), key=lambda e: -e.last_used)[:limit]:
+        rows.append({
+            "tokens": len(e.key),
+            "bytes": e.nbytes,
+            "kind": e.kind,
+            "hits": e.hits,
+            "age_s": round(now - e.created, 1),
+            "idle_s": round(now - e.last_used, 1),
+            # Image placeholder tokens are keyed by negative image ids.
+            "images": len({t for t in e.key if t < 0}),
+        })
+    return rows
