@@ -552,8 +552,10 @@ class Engine:
                     break
             if channel.cancelled:
                 channel.removed()
-            channel.put(None)
+            # Stored before the answer ends, so that a follow-up sent the
+            # moment it ends finds it.
             self._store(cache_key, cache, "generated")
+            channel.put(None)
             self._log_store()
         except _Cancelled:
             channel.removed()
@@ -753,8 +755,10 @@ class _Batch:
                 )
             )
             if r.finish_reason is not None:
-                result["channel"].put(None)
+                # Stored before the answer ends, so that a follow-up sent the
+                # moment it ends finds it.
                 engine.store.insert(self.model_key, r.all_tokens[:], r.prompt_cache, "generated")
+                result["channel"].put(None)
                 engine._log_store()
                 del self.results[r.uid]
         return True

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
+# Larger random models for benchmarks only (not sensitivity-tuned).
+BENCHMARK_KINDS = ("qwen3_mid",)
 # Kinds whose batching is broken in mlx-lm 0.32.2 without patches/.
 PATCHED_KINDS = ("nemotron_h", "mamba", "jamba", "olmo_hybrid")
 SPECIAL_TOKENS = [
@@ -148,6 +150,11 @@ def _config(kind: str, vocab: int) -> dict:
     )
     if kind == "qwen3":
         return dict(model_type="qwen3", num_hidden_layers=2, rope_theta=10000.0, **attn)
+    if kind == "qwen3_mid":
+        # Mid-size (8 layers, hidden 512): prefill dominates, for benchmarks.
+        mid = dict(attn, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=64, intermediate_size=1408)
+        return dict(model_type="qwen3", num_hidden_layers=8, rope_theta=10000.0, **mid)
     if kind == "llama":
         return dict(model_type="llama", num_hidden_layers=2, rope_theta=10000.0, **attn)
     if kind == "gemma3_text":

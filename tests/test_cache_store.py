@@ -92,20 +92,34 @@ def test_sequences_count_leaves_so_checkpoint_chains_count_once():
     assert (999, 1, 2) in keys and (100, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11) in keys
 
 
-def test_shared_prefix_outlives_one_off_tails():
+def test_budget_evicts_least_recently_used_entries_inner_ones_too():
+    """Interleaved conversations under a tight budget: each conversation's
+    old checkpoints (never fetched again) go before the latest entries of the
+    others, and a shared prefix that new requests keep fetching stays."""
     store = PromptStore(max_bytes=1 << 30)
     system = list(range(20))
     store.insert(MODEL, system, hybrid(20), kind="system")
-    for i in range(3):
-        store.insert(MODEL, system + [100 + i, 1, 2], hybrid(23), kind="generated")
-    # Make the shared prefix the least recently used entry of all.
-    for e in store.entries():
-        e.last_used = 0.0 if e.kind == "system" else 1.0 + e.key[20]
-    store.max_bytes = store.nbytes - 1  # one entry must go
+    chains = {c: system + [100 + c] for c in range(3)}
+    for turn in range(3):  # round robin, as chat clients interleave
+        for c in range(3):
+            store.fetch(MODEL, chains[c] + [1])  # the conversation goes on from its latest entry
+            checkpoint = chains[c] + [200 + turn] * 3  # a message boundary
+            chains[c] = checkpoint + [300 + turn] * 2
+            store.insert(MODEL, checkpoint, hybrid(len(checkpoint)), kind="checkpoint")
+            store.insert(MODEL, chains[c], hybrid(len(chains[c])), kind="generated")
+    store.fetch(MODEL, system + [999])  # a new conversation reuses the system prompt
+    # The last turn's entries: each conversation's end and its last boundary.
+    latest = {tuple(k) for k in chains.values()} | {tuple(k[:-2]) for k in chains.values()}
+    # Room for the system prompt and those, nothing more.
+    store.max_bytes = sum(e.nbytes for e in store.entries()
+                          if e.key in latest or e.kind == "system")
     store.trim_to(store.max_bytes)
-    kinds = sorted(e.kind for e in store.entries())
-    assert kinds == ["generated", "generated", "system"]
-    assert (*system, 100, 1, 2) not in {e.key for e in store.entries()}
+    kept = {e.key for e in store.entries()}
+    assert kept == latest | {tuple(system)}
+    # Each conversation resumes from its latest entry.
+    for key in chains.values():
+        assert store.fetch(MODEL, key + [7, 8]).cached == len(key)
+        assert store.fetch(MODEL, key[:-2] + [7, 8]).cached == len(key) - 2  # a regeneration
 
 
 def test_ttl_expires_idle_entries():

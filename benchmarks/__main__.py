@@ -1,0 +1,195 @@
+"""Benchmarks side by side with upstream mlx_lm.server (or any other server).
+
+    python -m benchmarks run --model-kind hybrid --workload multiturn --against upstream
+    python -m benchmarks run --model-kind hybrid --all --rounds 3 --json out.json
+    python -m benchmarks run --model PATH --all --against "my-server --flag"
+
+For each workload and round, each server is started fresh on a free
+loopback port, driven with streaming clients, and stopped; the order
+alternates (A B, then B A) because timings on shared machines drift. Counts
+(recomputed / novel prompt tokens) do not drift; timings are reported as
+medians over the rounds, and every figure as the ratio ours / theirs.
+
+Model kinds: `attention` (tiny qwen3 fixture), `hybrid` (tiny qwen3_5),
+`mid` (random qwen3, 8 layers, hidden 512: prefill dominates), `demo` (the
+embedded SmolLM2-135M), or any kind of tests/fixtures.py.
+"""
+
+import argparse
+import asyncio
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import median, session
+from benchmarks.workloads import OVERHEAD_TOKENS, WORKLOADS, Run, overhead_messages
+from compat.launch import OURS, UPSTREAM, ServerProcess
+
+KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid"}
+
+
+def resolve_model(args, work: Path) -> str:
+    if args.model:
+        return args.model
+    if args.model_kind == "demo":
+        from mlx_lm_plus.demo import demo_model_path
+
+        return str(demo_model_path())
+    from tests.fixtures import build_fixture
+
+    return str(build_fixture(KINDS.get(args.model_kind, args.model_kind), work / "fixtures"))
+
+
+def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):
+    """tok/s of a bare BatchGenerator loop on the overhead prompts (loaded once)."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(model_path)
+
+    def tps(size: int) -> float:
+        prompts = [tokenizer.apply_chat_template(overhead_messages(i), add_generation_prompt=True)
+                   for i in range(size)]
+        generator = BatchGenerator(model)
+        generator.insert(prompts[:1], max_tokens=[4])  # warm-up
+        while any(generator.next()):
+            pass
+        rates = []
+        for _ in range(3):  # the median of three: single runs scatter here
+            start = time.perf_counter()
+            generator.insert(prompts, max_tokens=[max_tokens] * size)
+            tokens = 0
+            while True:
+                prompt_responses, gen_responses = generator.next()
+                if not prompt_responses and not gen_responses:
+                    break
+                tokens += len(gen_responses)
+            rates.append(tokens / (time.perf_counter() - start))
+        generator.close()
+        return median(rates)
+
+    return tps
+
+
+def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
+    extra = []
+    if name == "memory":
+        extra = ["--prompt-cache-bytes", str(args.memory_budget)]
+    with ServerProcess(command, ["--model", model, *extra], log=log) as server:
+        async def drive():
+            async with session() as http:
+                run = Run(server.url, tokenizer, http, args.max_tokens, args.smoke, bare)
+                return await WORKLOADS[name](run)
+
+        return asyncio.run(drive())
+
+
+def combine(per_round):
+    """Medians of numbers over rounds; other values from the first round."""
+    out = {}
+    for key in per_round[0]:
+        values = [r.get(key) for r in per_round]
+        if all(isinstance(v, (int, float)) or v is None for v in values):
+            out[key] = median([v for v in values if v is not None])
+        else:
+            out[key] = values[0]
+    return out
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    if isinstance(v, list):
+        return " ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def print_table(name, results, labels):
+    ours, theirs = results[labels[0]], results[labels[1]]
+    print(f"\n## {name}")
+    print(f"{'figure':<44} {labels[1]:>12} {labels[0]:>12} {'ours/theirs':>12}")
+    for key in ours:
+        a, b = ours.get(key), theirs.get(key)
+        ratio = (f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float))
+                 and b else "-")
+        if isinstance(a, list) or isinstance(b, list):
+            print(f"{key:<44}\n    {labels[1]}: {_fmt(b)}\n    {labels[0]}: {_fmt(a)}")
+        else:
+            print(f"{key:<44} {_fmt(b):>12} {_fmt(a):>12} {ratio:>12}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run workloads against both servers")
+    p.add_argument("--model", help="a model folder (default: --model-kind)")
+    p.add_argument("--model-kind", default="hybrid",
+                   help="attention, hybrid, mid, demo, or a tests/fixtures.py kind")
+    p.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    p.add_argument("--all", action="store_true", help="every workload")
+    p.add_argument("--against", default="upstream",
+                   help='"upstream" (mlx_lm.server 0.32.2) or a launch command that takes '
+                        "--model, --host and --port")
+    p.add_argument("--rounds", type=int, default=2, help="A B rounds (alternating order)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--memory-budget", type=int, default=4 << 20,
+                   help="--prompt-cache-bytes of both servers in the memory workload")
+    p.add_argument("--smoke", action="store_true", help="short workloads: does it all run")
+    p.add_argument("--json", help="write every figure here")
+    args = parser.parse_args(argv)
+
+    names = list(WORKLOADS) if args.all or not args.workload else args.workload
+    work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-bench-"))
+    model = resolve_model(args, work)
+    other = UPSTREAM if args.against == "upstream" else shlex.split(args.against)
+    labels = ("ours", "upstream" if args.against == "upstream" else "theirs")
+    servers = {labels[0]: OURS, labels[1]: other}
+
+    from mlx_lm import load
+
+    tokenizer = load(model)[1]
+    bare = bare_loop(model) if "overhead" in names else None
+
+    report = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine()},
+        "model": model, "model_kind": None if args.model else args.model_kind,
+        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "rounds": args.rounds, "smoke": args.smoke, "workloads": {},
+    }
+    try:
+        import mlx.core as mx
+        import mlx_lm
+
+        report["machine"]["mlx"] = mx.__version__
+        report["machine"]["mlx_lm"] = mlx_lm.__version__
+    except Exception:
+        pass
+    print(f"model: {model}\nmachine: {report['machine']}\nrounds: {args.rounds} "
+          f"(alternating order), max_tokens {args.max_tokens}{', smoke' if args.smoke else ''}")
+    for name in names:
+        per_round = {label: [] for label in labels}
+        for r in range(args.rounds):
+            order = labels if r % 2 == 0 else labels[::-1]
+            for label in order:
+                log = work / f"{name}-{label}-{r}.log"
+                per_round[label].append(
+                    run_once(servers[label], model, name, args, tokenizer, bare, log))
+        results = {label: combine(per_round[label]) for label in labels}
+        report["workloads"][name] = {"median": results, "rounds": per_round}
+        print_table(name, results, labels)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        print(f"\nfigures written to {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The pieces every workload uses: a streaming client that records what each
+request cost, servers run alternately (A B A B), medians and ratios.
+
+A request's row: prompt tokens and cached tokens (the server's own
+`usage`, asked for with stream_options.include_usage), novel tokens (the
+prompt minus its longest common prefix with any earlier request's prompt
+and reply: what no cache could have held), time to first token, total time
+and output tokens.
+"""
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import aiohttp
+
+from mlx_lm_plus.prompt import common_prefix
+
+
+@dataclass
+class Row:
+    prompt: int
+    cached: int
+    novel: int
+    ttft: Optional[float]  # streamed requests only
+    total: float
+    output_tokens: int
+    text: str
+
+
+@dataclass
+class Client:
+    """Streams chat completions from one server and keeps a Row for each."""
+
+    url: str
+    tokenizer: Any
+    max_tokens: int
+    rows: List[Row] = field(default_factory=list)
+    seen: List[List[int]] = field(default_factory=list)
+
+    async def chat(self, session, messages, extra=None, record=True, stream=False) -> Row:
+        """One request. Non-streaming (the default) asks for logprobs, whose
+        ids are the exact generated tokens the novel-token count needs
+        (streams carry no ids, and re-tokenizing a random model's text does
+        not give its tokens back); streaming gives the time to first token."""
+        body = {"messages": messages, "max_tokens": self.max_tokens, "temperature": 0.0,
+                **(extra or {})}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        else:
+            body.update(logprobs=True)
+        start = time.perf_counter()
+        first, parts, usage, ids = None, [], None, None
+        async with session.post(self.url + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{r.status}: {await r.text()}")
+            if not stream:
+                reply = await r.json()
+                usage = reply["usage"]
+                message = reply["choices"][0]["message"]
+                parts = [message.get("content") or ""]
+                ids = [c["id"] for c in reply["choices"][0]["logprobs"]["content"]]
+            else:
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(event["error"])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices", []):
+                        delta = choice.get("delta", {})
+                        piece = (delta.get("content") or "") + (delta.get("reasoning") or "")
+                        if piece:
+                            if first is None:
+                                first = time.perf_counter() - start
+                            parts.append(piece)
+        total = time.perf_counter() - start
+        text = "".join(parts)
+        prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reusable = max((common_prefix(prompt_ids, s) for s in self.seen), default=0)
+        if ids is None:  # streamed: the reply re-tokenized, an approximation
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.seen.append(prompt_ids + ids)
+        row = Row(
+            prompt=usage["prompt_tokens"] if usage else len(prompt_ids),
+            cached=(usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            novel=len(prompt_ids) - reusable,
+            ttft=first,
+            total=total,
+            output_tokens=usage["completion_tokens"] if usage else len(ids),
+            text=text,
+        )
+        if record:
+            self.rows.append(row)
+        return row
+
+
+def session(timeout: float = 1800) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+
+
+def reuse_ratio(rows: List[Row]) -> Optional[float]:
+    """Prompt tokens recomputed per novel prompt token (ideal 1.0)."""
+    novel = sum(r.novel for r in rows)
+    if not novel:
+        return None
+    return round(sum(r.prompt - r.cached for r in rows) / novel, 3)
+
+
+def median(values: List[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def percentile(values: List[float], q: float) -> Optional[float]:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def get_json(http: aiohttp.ClientSession, url: str, path: str) -> Optional[Dict[str, Any]]:
+    """GET a JSON endpoint (None where the server has no such endpoint)."""
+    try:
+        async with http.get(url + path) as r:
+            return await r.json() if r.status == 200 else None
+    except (aiohttp.ClientError, ValueError):
+        return None

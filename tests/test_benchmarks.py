@@ -1,0 +1,33 @@
+"""The benchmark harness, short form, against upstream on the hybrid fixture:
+every workload runs on both servers and prints its figures (timings are not
+asserted: they drift on shared machines). Counts and correctness are."""
+
+import json
+
+from benchmarks.__main__ import main
+from benchmarks.workloads import WORKLOADS
+
+
+def test_every_workload_runs_against_upstream(fixture_path, tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    report = main(["run", "--all", "--smoke", "--rounds", "1",
+                   "--model", str(fixture_path("qwen3_5")), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["workloads"].keys() == WORKLOADS.keys()
+    for name in WORKLOADS:
+        assert f"## {name}" in printed
+        medians = report["workloads"][name]["median"]
+        for server in ("ours", "upstream"):
+            figures = medians[server]
+            assert figures and all(v is not None for k, v in figures.items()
+                                   if "cache bytes" not in k and "entries" not in k
+                                   and "budget" not in k), (name, server, figures)
+    ours = {n: report["workloads"][n]["median"]["ours"] for n in WORKLOADS}
+    upstream = {n: report["workloads"][n]["median"]["upstream"] for n in WORKLOADS}
+    # Batched replies equal the same requests sent alone, on both servers.
+    assert ours["burst"]["replies differing from the request alone"] == 0
+    assert upstream["burst"]["replies differing from the request alone"] == 0
+    # The cache figures are counts, not timings: they hold in the short form.
+    assert ours["seeded"]["recomputed/novel"] <= 1.1 < upstream["seeded"]["recomputed/novel"]
+    assert ours["branch"]["recomputed/novel, branches only"] < \
+        upstream["branch"]["recomputed/novel, branches only"]
