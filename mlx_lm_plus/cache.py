@@ -44,7 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ChunkedKVCache,
+    KVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 
 @dataclass(eq=False)
@@ -80,10 +85,17 @@ class Fetched:
     kind: str  # "exact", "prefix", "checkpoint", "trimmed", "miss"
 
 
+def is_plain_kv(c) -> bool:
+    """A KVCache that holds exactly its tokens' keys and values (any prefix of
+    it is valid): KVCache and subclasses that only add bookkeeping, such as
+    vision.MRopeKVCache; not ChunkedKVCache, which drops old chunks."""
+    return isinstance(c, KVCache) and not isinstance(c, ChunkedKVCache)
+
+
 def compact(cache: List[Any]) -> List[Any]:
     """Cut preallocated KV buffers down to the tokens they hold."""
     for c in cache:
-        if type(c) is KVCache and c.keys is not None and c.keys.shape[2] > c.offset:
+        if is_plain_kv(c) and c.keys is not None and c.keys.shape[2] > c.offset:
             c.keys = mx.contiguous(c.keys[..., : c.offset, :])
             c.values = mx.contiguous(c.values[..., : c.offset, :])
     mx.eval([c.state for c in cache])

@@ -32,7 +32,7 @@ import pickle
 import time
 from queue import Empty, Queue
 from threading import Thread
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import (
@@ -41,7 +41,7 @@ from mlx_lm.generate import (
     make_text_state_machine,
     stream_generate,
 )
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.server import (
     GenerationContext,
     Response,
@@ -54,8 +54,9 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
 from patches import apply_all as _apply_patches
 
-from .cache import PromptStore
+from .cache import PromptStore, is_plain_kv
 from .prompt import build_prompt, split_at, template_kwargs
+from .vision import VisionSupport, set_rope_delta
 
 
 _apply_patches()
@@ -323,14 +324,51 @@ class Engine:
         return plan
 
     def _is_batchable(self, request, args) -> bool:
-        # Image requests are served sequentially (as upstream, for now).
+        # Image requests batch on models served through mlx-vlm (vision.py);
+        # on mlx-lm's own vision models they are served sequentially, as
+        # upstream does.
         has_images = request.request_type == "chat" and any(_image_parts(request.messages))
         return (
             self.model_provider.is_batchable
             and args.seed is None
             and self.cli_args.kv_bits is None
-            and not has_images
+            and (not has_images or self._vision is not None)
         )
+
+    @property
+    def _vision(self) -> Optional[VisionSupport]:
+        processor = self.model_provider.processor
+        return processor if isinstance(processor, VisionSupport) else None
+
+    def _resume(self, model, plan, cache, cached):
+        """A vision-language model's cache, ready for the rest of `plan`.
+
+        A cached prefix may not end inside an image (its positions come out
+        of the vision tower): cut back to before the image. The cache gets
+        the M-RoPE delta of its end, whatever entry it came from. Then the
+        images not covered yet go through the vision tower and are prefilled
+        here; the rest of the prompt is text. Returns (cache, tokens reused
+        from the store, tokens covered now).
+        """
+        vision = self._vision
+        if vision is None:
+            return cache, cached, cached
+        images = plan.vision
+        safe = images.safe_prefix(cached) if images is not None else cached
+        if cache is not None and safe < cached:
+            trim_prompt_cache(cache, cached - safe)
+        cached = safe if cache is not None else 0
+        if cache is None:
+            cache = make_prompt_cache(model)
+        reused = cached
+        set_rope_delta(cache, images.delta_at(cached) if images is not None else 0)
+        if images is not None and cached < images.end_of_images():
+            tic = time.perf_counter()
+            cached = vision.prefill(
+                plan.tokens, images, cache, cached, self.cli_args.prefill_step_size
+            )
+            self._observe("vision_seconds", time.perf_counter() - tic)
+        return cache, reused, cached
 
     def _load(self, args):
         try:
@@ -373,7 +411,7 @@ class Engine:
         (ArraysCache) and sliding-window (RotatingKVCache) layers can't be
         trimmed reliably: for them the checkpoints are what makes reuse work.
         """
-        return not all(type(c) is KVCache for c in make_prompt_cache(model))
+        return not all(is_plain_kv(c) for c in make_prompt_cache(model))
 
     # -- the generation loop --
 
@@ -482,6 +520,11 @@ class Engine:
             cache_key = plan.cache_key
             cache, ctx.prompt_cache_count = self._fetch_cache(cache_key)
             rest = plan.tokens[ctx.prompt_cache_count :]
+            if self._vision is not None:
+                cache, ctx.prompt_cache_count, covered = self._resume(
+                    model, plan, cache, ctx.prompt_cache_count
+                )
+                rest = plan.tokens[covered:]
             if cache is None:
                 cache = make_prompt_cache(model)
                 if draft_model is not None:
@@ -502,7 +545,7 @@ class Engine:
 
             input_embeddings = None
             vision = plan.vision
-            if vision is not None:
+            if vision is not None and self._vision is None:  # mlx-lm's own vision models
                 n = sum(i < ctx.prompt_cache_count for i in vision.starts)
                 if pixel_values := vision.pixel_values[n:]:
                     tic = time.perf_counter()
@@ -632,12 +675,23 @@ class _Batch:
         except PromptError as e:
             channel.put(e)
             return
-        cache, cached = engine._fetch_cache(plan.tokens)
+        cache, cached = engine._fetch_cache(plan.cache_key)
+        ctx, stop_sequences = engine._context(tokenizer, plan, args)
+        ctx.prompt_cache_count = cached
+        if engine._vision is not None:
+            # Images: through the vision tower and prefilled here (unless
+            # the cache covers them); the batch takes the text after them.
+            try:
+                cache, ctx.prompt_cache_count, cached = engine._resume(
+                    self.model, plan, cache, cached
+                )
+            except Exception as e:
+                logging.exception("Image prefill failed")
+                channel.put(PromptError(f"Could not process the images: {e}"))
+                return
         segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
         if not self.keep_checkpoints:
             segments, segment_types = [sum(segments, [])], ["prompt"]
-        ctx, stop_sequences = engine._context(tokenizer, plan, args)
-        ctx.prompt_cache_count = cached
         try:
             (uid,) = self.generator.insert_segments(
                 segments=[segments],
@@ -662,6 +716,9 @@ class _Batch:
             "logprobs": args.logprobs,
             "top_logprobs": args.top_logprobs,
             "decoding": False,  # set at its first generated token
+            # Cache keys of this request: the prompt's key (image ids in
+            # place of image tokens), then the tokens it generates.
+            "key_prefix": plan.cache_key,
         }
         del cache
 
@@ -690,7 +747,7 @@ class _Batch:
             kept = self.generator.remove(stopped, return_prompt_caches=True)
             for uid in decoding:
                 cache, tokens = kept[uid]
-                engine.store.insert(self.model_key, tokens[:], cache, "generated")
+                engine.store.insert(self.model_key, self._key(uid, tokens), cache, "generated")
             del kept
             waits = []
             for uid in stopped:
@@ -734,7 +791,7 @@ class _Batch:
         ]
         for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
             kind = self.results[uid]["segment_types"].pop()
-            engine.store.insert(self.model_key, tokens[:], cache, kind)
+            engine.store.insert(self.model_key, self._key(uid, tokens), cache, kind)
 
         for r in gen_responses:
             result = self.results[r.uid]
@@ -757,11 +814,19 @@ class _Batch:
             if r.finish_reason is not None:
                 # Stored before the answer ends, so that a follow-up sent the
                 # moment it ends finds it.
-                engine.store.insert(self.model_key, r.all_tokens[:], r.prompt_cache, "generated")
+                engine.store.insert(self.model_key, self._key(r.uid, r.all_tokens),
+                                    r.prompt_cache, "generated")
                 result["channel"].put(None)
                 engine._log_store()
                 del self.results[r.uid]
         return True
+
+    def _key(self, uid, tokens) -> List[int]:
+        """The cache key of `tokens` of request `uid` (a prefix of its prompt
+        and what it generated)."""
+        prefix = self.results[uid]["key_prefix"]
+        n = len(tokens)
+        return prefix[:n] + list(tokens[len(prefix):n])
 
     def _fail_all(self, error: Exception):
         """A step raised: fail the requests in flight and start a fresh batch."""

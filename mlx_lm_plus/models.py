@@ -8,10 +8,14 @@ under mx.distributed, processor for images) is reused as it is. Ours adds:
     a second time under another key.
 """
 
+import gc
 import logging
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
+
+from .vision import is_vision_model, load_vision_model
 
 
 class _Default:
@@ -40,6 +44,26 @@ class ModelProvider(UpstreamModelProvider):
             for alias in aliases:
                 self._model_map.setdefault(alias, model)
                 self._adapter_map.setdefault(alias, cli_args.adapter_path)
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        """Vision-language models (vision.VISION_MODEL_TYPES) through mlx-vlm;
+        everything else as upstream."""
+        if not (is_vision_model(model_path) and adapter_path is None
+                and draft_model_path is None and not self.is_distributed):
+            return super()._load(model_path, adapter_path, draft_model_path)
+        self.reset()
+        gc.collect()
+        mx.clear_cache()
+        model, tokenizer, vision = load_vision_model(model_path)
+        if self.cli_args.chat_template:
+            tokenizer.chat_template = self.cli_args.chat_template
+        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = vision
+        self.draft_model = None
+        self.is_batchable = True
+        logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm)")
 
     def is_served(self, desc) -> bool:
         """Whether a request's model/adapters/draft_model may be used.

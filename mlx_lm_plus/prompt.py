@@ -19,6 +19,8 @@ from mlx_lm.server import (
     process_message_content,
 )
 
+from .vision import VisionSupport
+
 
 @dataclass
 class PromptPlan:
@@ -70,6 +72,14 @@ def build_prompt(
     urls = process_message_content(messages, keep_images=processor is not None)
     kwargs = dict(tools=request.tools, tokenize=True, **chat_template_args)
     vision = None
+    if urls and isinstance(processor, VisionSupport):
+        # A vision-language model served through mlx-vlm (vision.py).
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
+        )
+        tokens, vision = processor.prepare(text, urls)
+        initial_state = _initial_state(tokenizer, tokens)
+        return PromptPlan(tokens, [tokens], ["prompt"], initial_state, vision)
     if urls:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}

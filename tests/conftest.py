@@ -3,7 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import build_fixture
+from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+
+# Fixture models are local folders: nothing may wait on the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
@@ -19,4 +22,9 @@ def fixture_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fixture_path(fixture_dir):
     """kind -> folder of that tiny model, built on first use."""
-    return lambda kind: build_fixture(kind, fixture_dir)
+    def build(kind):
+        if kind in VISION_KINDS:
+            return build_vision_fixture(kind, fixture_dir)
+        return build_fixture(kind, fixture_dir)
+
+    return build

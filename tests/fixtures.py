@@ -353,7 +353,105 @@ def build_fixture(kind: str, root) -> Path:
     return out
 
 
+
+
+# -- vision-language fixtures (served through mlx-vlm) --
+
+VISION_KINDS = ("qwen2_vl",)
+VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + [
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+]
+# Qwen2-VL's way of writing images: a vision block per image part, in place.
+VISION_CHAT_TEMPLATE = """\
+{%- for message in messages %}
+{{- '<|im_start|>' + message.role + '\\n' }}
+{%- if message.content is string %}{{- message.content }}
+{%- else %}{%- for part in message.content %}
+{%- if part.type in ['image', 'image_url', 'input_image'] %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def build_vision_fixture(kind: str, root) -> Path:
+    """A tiny random qwen2_vl folder that mlx_vlm.load() takes offline: config
+    (text keys at the root, as mlx-vlm's qwen2_vl reads them), tokenizer with
+    the vision tokens, a numpy-processor preprocessor_config, weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    assert kind in VISION_KINDS, kind
+    out = Path(root) / kind
+    marker = out / "fixture.json"
+    if marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=512, special_tokens=VISION_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in VISION_SPECIAL_TOKENS}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": VISION_CHAT_TEMPLATE,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 32768}))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
+            "max_position_embeddings": 32768, "tie_word_embeddings": False,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "in_chans": 3}
+    config = {"model_type": kind, **text, "text_config": dict(text, model_type=kind),
+              "vision_config": dict(vision, model_type=kind),
+              "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"],
+              "vision_end_token_id": ids["<|vision_end|>"], "eos_token_id": ids["<|im_end|>"]}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    from mlx_vlm.utils import get_model_and_args
+
+    module, _ = get_model_and_args(dict(config))
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = module.VisionConfig.from_dict(model_config.vision_config)
+    mx.random.seed(1234)
+    model = module.Model(model_config)
+    model.set_dtype(mx.float32)
+    weights = {}
+    for name, w in tree_flatten(model.parameters()):
+        if name.startswith("language_model") and w.ndim == 2:
+            w = w * 2.0
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = w * 1.5  # sharp, position-sensitive attention (no q/k norms)
+        if name.startswith("vision_tower") and w.ndim >= 2:
+            w = w * 3.0  # images must steer the output
+        weights[name] = w
+    special = [ids[t] for t in VISION_SPECIAL_TOKENS]
+    head = "language_model.lm_head.weight"
+    mask = mx.ones((weights[head].shape[0], 1))
+    mask[mx.array(special)] = 0.0
+    weights[head] = weights[head] * mask
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    marker.write_text(json.dumps({"version": VERSION, "kind": kind, "special_token_ids": special}))
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m tests.fixtures KIND OUTDIR")
-    print(build_fixture(sys.argv[1], sys.argv[2]))
+    build = build_vision_fixture if sys.argv[1] in VISION_KINDS else build_fixture
+    print(build(sys.argv[1], sys.argv[2]))

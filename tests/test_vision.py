@@ -1,0 +1,166 @@
+"""Vision-language models through mlx-vlm (tiny random qwen2_vl): images in
+the cache key by fingerprint, the vision tower skipped for cached images,
+image requests batched with text requests, all equal to cold runs."""
+
+import base64
+import io
+
+import pytest
+from mlx_lm.server import Response
+from PIL import Image, PngImagePlugin
+
+from tests.engine_harness import EngineRunner
+
+
+def png(color, size=(56, 56), **save):
+    out = io.BytesIO()
+    image = Image.new("RGB", size, color)
+    for x in range(0, size[0], 7):  # some structure, not a flat colour
+        image.putpixel((x, x % size[1]), (x * 4 % 256, 90, 200))
+    image.save(out, format="PNG", **save)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def image_part(url):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts):
+    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
+    return {"role": "user", "content": content}
+
+
+RED, BLUE, GREEN = png((200, 30, 30)), png((30, 30, 200)), png((30, 160, 40), size=(84, 56))
+
+
+@pytest.fixture(scope="module")
+def runner(fixture_path):
+    r = EngineRunner(fixture_path("qwen2_vl"))
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def cold(fixture_path):
+    """The same model with no prompt cache (a zero budget keeps nothing)."""
+    r = EngineRunner(fixture_path("qwen2_vl"), max_bytes=0)
+    yield r
+    r.close()
+
+
+def calls(r):
+    return r.provider.processor.calls
+
+
+def test_matches_mlx_vlm_generate(runner, fixture_path, tmp_path):
+    """Our path (vision tower, prefill, BatchGenerator on the text model)
+    gives mlx-vlm's own greedy tokens."""
+    import mlx_vlm
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    model, processor = mlx_vlm.load(str(fixture_path("qwen2_vl")))
+    messages = [user(image_part(GREEN), "What is in this picture?")]
+    path = tmp_path / "green.png"
+    path.write_bytes(base64.b64decode(GREEN.partition(",")[2]))
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=False)
+    reference = [r.token for r in stream_generate(model, processor, prompt, image=[str(path)],
+                                                  max_tokens=12, temperature=0.0)][:12]
+    tokens, _, _ = runner.run({"messages": messages, "max_tokens": 12})
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("name", ["one image", "two images", "image then text follow-ups"])
+def test_output_with_cache_equals_cold(runner, cold, name):
+    if name == "one image":
+        conversations = [[user(image_part(RED), "Describe the picture.")]]
+    elif name == "two images":
+        conversations = [[user(image_part(RED), "and", image_part(GREEN), "Compare them.")]]
+    else:
+        first = [user(image_part(BLUE), "What colour is it?")]
+        conversations = [first]
+    for messages in conversations:
+        warm, _, _ = runner.run({"messages": messages, "max_tokens": 10})
+        again, prompt, cached = runner.run({"messages": messages, "max_tokens": 10})
+        reference, _, _ = cold.run({"messages": messages, "max_tokens": 10})
+        assert warm == again == reference
+        assert cached == prompt - 1
+        if name == "image then text follow-ups":
+            history = list(messages)
+            for turn in ("Are you sure?", "Say it again in other words."):
+                reply = runner.provider.tokenizer.decode(again)
+                history += [{"role": "assistant", "content": reply}, user(turn)]
+                before, previous_prompt = calls(runner), prompt
+                again, prompt, cached = runner.run({"messages": history, "max_tokens": 10})
+                reference, _, _ = cold.run({"messages": history, "max_tokens": 10})
+                assert again == reference
+                assert calls(runner) == before  # the image was in the cache
+                # Reused at least the whole previous prompt, image included
+                # (and the reply as far as its re-tokenized text gives the
+                # tokens the random model generated).
+                assert cached >= previous_prompt
+
+
+def test_same_image_hits_reencoded_hits_different_image_misses(runner, cold):
+    question = "What is in this picture?"
+    first, prompt, _ = runner.run({"messages": [user(image_part(GREEN), question)], "max_tokens": 8})
+    before = calls(runner)
+
+    # The same picture, another question: a hit through the image, no vision tower.
+    other, prompt2, cached = runner.run(
+        {"messages": [user(image_part(GREEN), "Name its colour.")], "max_tokens": 8})
+    assert calls(runner) == before
+    vision = runner.provider.processor
+    tokens, plan_images = vision.prepare(
+        runner.provider.tokenizer.apply_chat_template(
+            [user(image_part(GREEN), "Name its colour.")], add_generation_prompt=True,
+            tokenize=False), [GREEN])
+    assert cached >= plan_images.images[0].end
+
+    # The same pixels re-encoded (other compression, a metadata chunk): a hit.
+    meta = PngImagePlugin.PngInfo()
+    meta.add_text("comment", "re-saved by another program")
+    reencoded = png((30, 160, 40), size=(84, 56), compress_level=1, pnginfo=meta)
+    assert reencoded != GREEN
+    again, _, cached = runner.run(
+        {"messages": [user(image_part(reencoded), question)], "max_tokens": 8})
+    assert again == first and cached == prompt - 1 and calls(runner) == before
+
+    # A different picture at the same place: a miss from that image on, and
+    # the answer is the cold answer about the new picture.
+    new_picture = png((230, 200, 20), size=(84, 56))  # never sent before
+    changed, _, cached = runner.run(
+        {"messages": [user(image_part(new_picture), question)], "max_tokens": 8})
+    assert calls(runner) == before + 1
+    assert cached <= plan_images.images[0].vision_start
+    reference, _, _ = cold.run(
+        {"messages": [user(image_part(new_picture), question)], "max_tokens": 8})
+    assert changed == reference != first
+
+
+def test_concurrent_image_and_text_requests_equal_sequential(runner, cold):
+    bodies = [
+        {"messages": [user(image_part(RED), "One.")], "max_tokens": 12},
+        {"messages": [{"role": "user", "content": "A text request about boats."}], "max_tokens": 12},
+        {"messages": [user(image_part(BLUE), "Two.")], "max_tokens": 9},
+        {"messages": [user(image_part(GREEN), "and", image_part(RED), "Three.")], "max_tokens": 11},
+        {"messages": [{"role": "user", "content": "Another text one, longer " * 5}], "max_tokens": 7},
+    ]
+    runner.engine.store.clear()
+    together = runner.run_all(bodies)
+    alone = [cold.run(b)[0] for b in bodies]
+    assert together == alone
+
+
+def test_rope_deltas_match_mlx_vlm(runner):
+    """Our per-image M-RoPE delta is mlx-vlm's rope index delta."""
+    import mlx.core as mx
+
+    vision = runner.provider.processor
+    text = runner.provider.tokenizer.apply_chat_template(
+        [user(image_part(GREEN), "x", image_part(RED), "y")], add_generation_prompt=True,
+        tokenize=False)
+    tokens, images = vision.prepare(text, [GREEN, RED])
+    grid = mx.array([img.grid for img in images.images])
+    _, deltas = vision.vlm.language_model.get_rope_index(mx.array(tokens)[None], grid)
+    assert images.delta_at(len(tokens)) == int(deltas[0, 0].item())
