@@ -26,10 +26,16 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import median, session
-from benchmarks.workloads import OVERHEAD_TOKENS, WORKLOADS, Run, overhead_messages
+from benchmarks.workloads import (
+    OVERHEAD_TOKENS,
+    VISION_WORKLOADS,
+    WORKLOADS,
+    Run,
+    overhead_messages,
+)
 from compat.launch import OURS, UPSTREAM, ServerProcess
 
-KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid"}
+KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid", "vision": "qwen2_vl"}
 
 
 def resolve_model(args, work: Path) -> str:
@@ -39,9 +45,11 @@ def resolve_model(args, work: Path) -> str:
         from mlx_lm_plus.demo import demo_model_path
 
         return str(demo_model_path())
-    from tests.fixtures import build_fixture
+    from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
 
-    return str(build_fixture(KINDS.get(args.model_kind, args.model_kind), work / "fixtures"))
+    kind = KINDS.get(args.model_kind, args.model_kind)
+    build = build_vision_fixture if kind in VISION_KINDS else build_fixture
+    return str(build(kind, work / "fixtures"))
 
 
 def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):
@@ -85,13 +93,16 @@ def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
                 run = Run(server.url, tokenizer, http, args.max_tokens, args.smoke, bare)
                 return await WORKLOADS[name](run)
 
-        return asyncio.run(drive())
+        try:
+            return asyncio.run(drive())
+        except RuntimeError as e:  # the server refused the workload's requests
+            return {"error": str(e)[:120]}
 
 
 def combine(per_round):
     """Medians of numbers over rounds; other values from the first round."""
     out = {}
-    for key in per_round[0]:
+    for key in dict.fromkeys(k for r in per_round for k in r):
         values = [r.get(key) for r in per_round]
         if all(isinstance(v, (int, float)) or v is None for v in values):
             out[key] = median([v for v in values if v is not None])
@@ -114,11 +125,11 @@ def print_table(name, results, labels):
     ours, theirs = results[labels[0]], results[labels[1]]
     print(f"\n## {name}")
     print(f"{'figure':<44} {labels[1]:>12} {labels[0]:>12} {'ours/theirs':>12}")
-    for key in ours:
+    for key in dict.fromkeys([*ours, *theirs]):
         a, b = ours.get(key), theirs.get(key)
         ratio = (f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float))
                  and b else "-")
-        if isinstance(a, list) or isinstance(b, list):
+        if isinstance(a, (list, str)) or isinstance(b, (list, str)):
             print(f"{key:<44}\n    {labels[1]}: {_fmt(b)}\n    {labels[0]}: {_fmt(a)}")
         else:
             print(f"{key:<44} {_fmt(b):>12} {_fmt(a):>12} {ratio:>12}")
@@ -148,13 +159,17 @@ def main(argv=None):
     names = list(WORKLOADS) if args.all or not args.workload else args.workload
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-bench-"))
     model = resolve_model(args, work)
+    from mlx_lm_plus.vision import is_vision_model
+
+    if not is_vision_model(model):
+        names = [n for n in names if n not in VISION_WORKLOADS]
     other = UPSTREAM if args.against == "upstream" else shlex.split(args.against)
     labels = ("ours", "upstream" if args.against == "upstream" else "theirs")
     servers = {labels[0]: OURS, labels[1]: other}
 
-    from mlx_lm import load
+    from mlx_lm.utils import load_tokenizer
 
-    tokenizer = load(model)[1]
+    tokenizer = load_tokenizer(Path(model))
     bare = bare_loop(model) if "overhead" in names else None
 
     report = {

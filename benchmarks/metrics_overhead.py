@@ -61,7 +61,8 @@ def accounted_overhead(tokens_per_s: float, clients: int, max_tokens: int) -> di
     store = PromptStore(max_bytes=1 << 30)
     engine = SimpleNamespace(
         store=store, requests=queue.Queue(), active_requests=0, restarts=0,
-        is_healthy=True, memory=lambda: {"mlx_active_bytes": 0, "mlx_cache_bytes": 0,
+        is_healthy=True, vision_stats=lambda: None,
+        memory=lambda: {"mlx_active_bytes": 0, "mlx_cache_bytes": 0,
                                          "mlx_peak_bytes": 0})
     metrics = Metrics(engine)
     record = RequestRecord(id="chatcmpl-x", endpoint="/v1/chat/completions", model="m",

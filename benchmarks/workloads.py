@@ -185,6 +185,45 @@ async def overhead(run: Run) -> Dict[str, Any]:
     return figures
 
 
+def picture(size=(224, 224)) -> str:
+    """A data URL of a PNG with some structure (the same bytes every time)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", size, (40, 90, 160))
+    for x in range(size[0]):
+        image.putpixel((x, (x * 7) % size[1]), (250, 200, 20))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+async def vision(run: Run) -> Dict[str, Any]:
+    """One picture, then text follow-ups about it (streamed): how much of
+    turn 1's time the later turns take, and how often the vision tower ran."""
+    client = run.client()
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": picture()}},
+        {"type": "text", "text": "Describe this picture in detail."}]}]
+    turns = 2 if run.smoke else 4
+    for t in range(turns):
+        row = await client.chat(run.http, messages, stream=True)
+        messages += [{"role": "assistant", "content": row.text},
+                     {"role": "user", "content": _user(0, t)}]
+    stats = await get_json(run.http, run.url, "/v1/stats")
+    vision_stats = (stats or {}).get("engine", {}).get("vision") or {}
+    rows = client.rows
+    return {
+        "ttft turn 1 (s)": rows[0].ttft,
+        "ttft turn 2 / turn 1": rows[1].ttft / rows[0].ttft,
+        "ttft turns 2.. mean / turn 1": _mean([r.ttft for r in rows[1:]]) / rows[0].ttft,
+        "cached share of turns 2..": sum(r.cached for r in rows[1:]) / sum(r.prompt for r in rows[1:]),
+        "vision tower images": vision_stats.get("images_encoded"),
+    }
+
+
 def _mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -199,4 +238,7 @@ WORKLOADS = {
     "burst": burst,
     "overhead": overhead,
     "memory": memory,
+    "vision": vision,
 }
+# Workloads that need a model with vision (run only on such a model).
+VISION_WORKLOADS = ("vision",)

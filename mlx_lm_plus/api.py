@@ -181,6 +181,7 @@ class Server:
                 "restarts": engine.restarts,
                 "active_requests": engine.active_requests,
                 "queued_requests": engine.requests.qsize(),
+                "vision": engine.vision_stats(),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
             "memory": engine.memory(),

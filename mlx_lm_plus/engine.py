@@ -221,6 +221,14 @@ class Engine:
         if self.metrics is not None:
             getattr(self.metrics, histogram).observe(value)
 
+    def vision_stats(self) -> Optional[Dict[str, int]]:
+        """Images through the vision tower and images served from the cache
+        (None for a model without vision)."""
+        vision = self._vision
+        if vision is None:
+            return None
+        return {"images_encoded": vision.calls, "images_from_cache": vision.hits}
+
     @staticmethod
     def memory() -> Dict[str, int]:
         """MLX's allocator figures, in bytes (safe from any thread)."""
@@ -361,6 +369,8 @@ class Engine:
         if cache is None:
             cache = make_prompt_cache(model)
         reused = cached
+        if images is not None:
+            vision.hits += sum(img.end <= cached for img in images.images)
         set_rope_delta(cache, images.delta_at(cached) if images is not None else 0)
         if images is not None and cached < images.end_of_images():
             tic = time.perf_counter()

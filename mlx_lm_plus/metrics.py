@@ -145,6 +145,15 @@ class _LiveCollector:
         )
         g.add_metric([], engine.active_requests)
         yield g
+        vision = engine.vision_stats()
+        if vision is not None:
+            c = CounterMetricFamily(
+                f"{PREFIX}_vision_images", "Images of requests by how they were served",
+                labels=["source"],
+            )
+            c.add_metric(["vision_tower"], vision["images_encoded"])
+            c.add_metric(["cache"], vision["images_from_cache"])
+            yield c
         memory = engine.memory()
         g = GaugeMetricFamily(f"{PREFIX}_mlx_memory_bytes", "MLX allocator memory", labels=["kind"])
         for kind in ("active", "cache", "peak"):

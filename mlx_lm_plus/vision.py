@@ -203,6 +203,7 @@ class VisionSupport:
         self.vision_start_id = config["vision_start_token_id"]
         self.merge = config["vision_config"].get("spatial_merge_size", 2)
         self.calls = 0  # images through the vision tower (tests and metrics)
+        self.hits = 0  # images a cached prefix covered (the tower skipped)
 
     def prepare(self, prompt_text: str, urls: List[str]) -> Tuple[List[int], VisionPrompt]:
         """Token ids of a rendered prompt with its images expanded, and where

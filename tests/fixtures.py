@@ -357,7 +357,7 @@ def build_fixture(kind: str, root) -> Path:
 
 # -- vision-language fixtures (served through mlx-vlm) --
 
-VISION_KINDS = ("qwen2_vl",)
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
 VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + [
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 ]
@@ -377,8 +377,8 @@ VISION_CHAT_TEMPLATE = """\
 
 
 def build_vision_fixture(kind: str, root) -> Path:
-    """A tiny random qwen2_vl folder that mlx_vlm.load() takes offline: config
-    (text keys at the root, as mlx-vlm's qwen2_vl reads them), tokenizer with
+    """A tiny random qwen2_vl / qwen2_5_vl folder that mlx_vlm.load() takes
+    offline: config (text keys at the root, as mlx-vlm reads them), tokenizer with
     the vision tokens, a numpy-processor preprocessor_config, weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -412,9 +412,15 @@ def build_vision_fixture(kind: str, root) -> Path:
             "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
             "max_position_embeddings": 32768, "tie_word_embeddings": False,
             "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
-              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-              "in_chans": 3}
+    if kind == "qwen2_vl":
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                  "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "in_chans": 3}
+    else:  # qwen2_5_vl: window attention in the vision tower
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+                  "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+                  "tokens_per_second": 2, "in_channels": 3}
     config = {"model_type": kind, **text, "text_config": dict(text, model_type=kind),
               "vision_config": dict(vision, model_type=kind),
               "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],

@@ -31,3 +31,16 @@ def test_every_workload_runs_against_upstream(fixture_path, tmp_path, capsys):
     assert ours["seeded"]["recomputed/novel"] <= 1.1 < upstream["seeded"]["recomputed/novel"]
     assert ours["branch"]["recomputed/novel, branches only"] < \
         upstream["branch"]["recomputed/novel, branches only"]
+
+
+def test_vision_workload(fixture_path, capsys):
+    report = main(["run", "--workload", "vision", "--smoke", "--rounds", "1",
+                   "--model", str(fixture_path("qwen2_vl"))])
+    figures = report["workloads"]["vision"]["median"]
+    ours, upstream = figures["ours"], figures["upstream"]
+    # One image, sent again with every turn: through the vision tower once.
+    assert ours["vision tower images"] == 1
+    assert ours["ttft turn 2 / turn 1"] is not None
+    # mlx_lm.server 0.32.2 has no vision for qwen2_vl: it refuses image parts.
+    assert "Only 'text' content type is supported" in upstream["error"]
+    assert "## vision" in capsys.readouterr().out

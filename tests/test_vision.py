@@ -33,17 +33,22 @@ def user(*parts):
 RED, BLUE, GREEN = png((200, 30, 30)), png((30, 30, 200)), png((30, 160, 40), size=(84, 56))
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def kind(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def runner(fixture_path):
-    r = EngineRunner(fixture_path("qwen2_vl"))
+def runner(fixture_path, kind):
+    r = EngineRunner(fixture_path(kind))
     yield r
     r.close()
 
 
 @pytest.fixture(scope="module")
-def cold(fixture_path):
+def cold(fixture_path, kind):
     """The same model with no prompt cache (a zero budget keeps nothing)."""
-    r = EngineRunner(fixture_path("qwen2_vl"), max_bytes=0)
+    r = EngineRunner(fixture_path(kind), max_bytes=0)
     yield r
     r.close()
 
@@ -52,13 +57,13 @@ def calls(r):
     return r.provider.processor.calls
 
 
-def test_matches_mlx_vlm_generate(runner, fixture_path, tmp_path):
+def test_matches_mlx_vlm_generate(runner, fixture_path, kind, tmp_path):
     """Our path (vision tower, prefill, BatchGenerator on the text model)
     gives mlx-vlm's own greedy tokens."""
     import mlx_vlm
     from mlx_vlm.generate.dispatch import stream_generate
 
-    model, processor = mlx_vlm.load(str(fixture_path("qwen2_vl")))
+    model, processor = mlx_vlm.load(str(fixture_path(kind)))
     messages = [user(image_part(GREEN), "What is in this picture?")]
     path = tmp_path / "green.png"
     path.write_bytes(base64.b64decode(GREEN.partition(",")[2]))
@@ -164,3 +169,42 @@ def test_rope_deltas_match_mlx_vlm(runner):
     grid = mx.array([img.grid for img in images.images])
     _, deltas = vision.vlm.language_model.get_rope_index(mx.array(tokens)[None], grid)
     assert images.delta_at(len(tokens)) == int(deltas[0, 0].item())
+
+
+def test_over_http_stream_stats_metrics_and_bad_images(fixture_path, tmp_path):
+    """A live server on the VL fixture: image requests streamed and not,
+    the vision figures in /v1/stats and /metrics, bad images a 400 that
+    harms nothing."""
+    from compat.launch import OURS, ServerProcess, parse_sse
+
+    with ServerProcess(OURS, ["--model", str(fixture_path("qwen2_vl"))],
+                       log=tmp_path / "server.log") as server:
+        body = {"messages": [user(image_part(RED), "What is it?")], "max_tokens": 8}
+        status, first = server.post("/v1/chat/completions", body)
+        assert status == 200, first
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        status, _, raw = server.request("POST", "/v1/chat/completions",
+                                        {**body, "stream": True,
+                                         "stream_options": {"include_usage": True}})
+        events = [e for kind, e in parse_sse(raw) if kind == "data" and e != "[DONE]"]
+        text = "".join(e["choices"][0]["delta"].get("content") or ""
+                       for e in events if e.get("choices"))
+        assert text == first["choices"][0]["message"]["content"]
+        usage = events[-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+
+        status, stats = server.get("/v1/stats")
+        assert stats["engine"]["vision"] == {"images_encoded": 1, "images_from_cache": 1}
+        assert [r["images"] for r in stats["requests"]] == [1, 1]
+        assert any(e["images"] == 1 for e in stats["entries"])
+        _, _, metrics = server.request("GET", "/metrics")
+        assert b'mlx_lm_plus_vision_images_total{source="vision_tower"} 1.0' in metrics
+        assert b"mlx_lm_plus_vision_seconds_count 1.0" in metrics
+
+        for bad in ("data:image/png;base64,AAAA", "https://example.com/x.png"):
+            status, r = server.post("/v1/chat/completions", {
+                "messages": [user(image_part(bad), "?")], "max_tokens": 4})
+            assert status == 400 and "Image 0" in r["error"], r
+        assert server.get("/health") == (200, {"status": "ok"})
+        status, again = server.post("/v1/chat/completions", body)
+        assert status == 200 and again["choices"] == first["choices"]
