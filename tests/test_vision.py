@@ -208,3 +208,23 @@ def test_over_http_stream_stats_metrics_and_bad_images(fixture_path, tmp_path):
         assert server.get("/health") == (200, {"status": "ok"})
         status, again = server.post("/v1/chat/completions", body)
         assert status == 200 and again["choices"] == first["choices"]
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF"])
+def test_image_formats(runner, fmt):
+    out = io.BytesIO()
+    frames = [Image.new("RGB", (56, 56), c) for c in ((200, 30, 30), (30, 200, 30))]
+    if fmt == "GIF":  # an animation: its first frame is the picture
+        frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    else:
+        frames[0].save(out, format=fmt)
+    url = f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+    from mlx_lm_plus.validation import parse_request
+
+    parse_request("/v1/chat/completions", {"messages": [user(image_part(url), "?")]}, runner.args)
+    tokens, prompt, _ = runner.run({"messages": [user(image_part(url), "What?")], "max_tokens": 4})
+    assert len(tokens) == 4
+    if fmt == "GIF":
+        from mlx_lm_plus.vision import decode_image, fingerprint
+
+        assert fingerprint(decode_image(url)) == fingerprint(frames[0].convert("RGB"))
