@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import median, session
+from benchmarks.harness import add_model_args, fixture_or_model, median, session
 from benchmarks.workloads import (
     OVERHEAD_TOKENS,
     VISION_WORKLOADS,
@@ -39,17 +39,12 @@ KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid", "vision"
 
 
 def resolve_model(args, work: Path) -> str:
-    if args.model:
-        return args.model
-    if args.model_kind == "demo":
+    if not args.model and args.model_kind == "demo":
         from mlx_lm_plus.demo import demo_model_path
 
         return str(demo_model_path())
-    from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
-
-    kind = KINDS.get(args.model_kind, args.model_kind)
-    build = build_vision_fixture if kind in VISION_KINDS else build_fixture
-    return str(build(kind, work / "fixtures"))
+    args.model_kind = KINDS.get(args.model_kind, args.model_kind)
+    return fixture_or_model(args, work / "fixtures")
 
 
 def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):
@@ -140,9 +135,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run workloads against both servers")
-    p.add_argument("--model", help="a model folder (default: --model-kind)")
-    p.add_argument("--model-kind", default="hybrid",
-                   help="attention, hybrid, mid, demo, or a tests/fixtures.py kind")
+    add_model_args(p, "hybrid")  # kinds: attention, hybrid, mid, vision, demo, or a fixture
     p.add_argument("--workload", action="append", choices=list(WORKLOADS))
     p.add_argument("--all", action="store_true", help="every workload")
     p.add_argument("--against", default="upstream",

@@ -8,7 +8,6 @@ and reply: what no cache could have held), time to first token, total time
 and output tokens.
 """
 
-import asyncio
 import json
 import statistics
 import time
@@ -18,6 +17,22 @@ from typing import Any, Dict, List, Optional
 import aiohttp
 
 from mlx_lm_plus.prompt import common_prefix
+
+
+def add_model_args(parser, default_kind: str) -> None:
+    parser.add_argument("--model", help="a model folder (default: a tiny fixture model)")
+    parser.add_argument("--model-kind", default=default_kind,
+                        help="fixture kind (tests/fixtures.py) when no --model")
+
+
+def fixture_or_model(args, work) -> str:
+    """--model, or the fixture --model-kind built under `work`."""
+    if args.model:
+        return args.model
+    from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+
+    build = build_vision_fixture if args.model_kind in VISION_KINDS else build_fixture
+    return str(build(args.model_kind, work))
 
 
 @dataclass

@@ -172,12 +172,11 @@ def disconnect_latencies_ms(log_text: str) -> List[float]:
 
 
 def main(argv=None):
+    from benchmarks.harness import add_model_args, fixture_or_model
     from compat.launch import OURS, ServerProcess
-    from tests.fixtures import build_fixture
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model path (default: a tiny fixture model)")
-    parser.add_argument("--model-kind", default="qwen3", help="fixture kind if no --model")
+    add_model_args(parser, "qwen3")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--disconnect-rate", type=float, default=0.25)
@@ -186,7 +185,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-load-"))
-    model = args.model or str(build_fixture(args.model_kind, work))
+    model = fixture_or_model(args, work)
     log = work / "server.log"
     with ServerProcess(OURS, ["--model", model], log=log) as server:
         result = asyncio.run(run_load(

@@ -87,12 +87,11 @@ def accounted_overhead(tokens_per_s: float, clients: int, max_tokens: int) -> di
 
 
 def main(argv=None):
+    from benchmarks.harness import add_model_args, fixture_or_model
     from compat.launch import OURS, ServerProcess
-    from tests.fixtures import build_fixture
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model path (default: a tiny fixture model)")
-    parser.add_argument("--model-kind", default="qwen3")
+    add_model_args(parser, "qwen3")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of A and B each")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -100,7 +99,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-metrics-"))
-    model = args.model or str(build_fixture(args.model_kind, work))
+    model = fixture_or_model(args, work)
     runs = {"on": [], "off": []}
     for round_ in range(args.rounds):
         for name, extra in (("on", []), ("off", ["--disable-metrics"])):

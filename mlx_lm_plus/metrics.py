@@ -15,7 +15,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Deque, Dict, List, Optional
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -92,73 +92,53 @@ class _LiveCollector:
         m = self.metrics
         engine = m.engine
         cache = engine.store.snapshot()
-        g = GaugeMetricFamily(f"{PREFIX}_cache_bytes", "Bytes held by the prompt cache")
-        g.add_metric([], cache["bytes"])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_cache_budget_bytes", "Byte budget of the prompt cache")
-        g.add_metric([], cache["budget_bytes"])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_cache_entries", "Prompt cache entries")
-        g.add_metric([], cache["entries"])
-        yield g
-        g = GaugeMetricFamily(f"{PREFIX}_cache_tokens", "Tokens covered by prompt cache entries")
-        g.add_metric([], cache["cached_tokens"])
-        yield g
-        c = CounterMetricFamily(
-            f"{PREFIX}_cache_lookups", "Prompt cache lookups by result", labels=["result"]
-        )
-        for kind in ("exact", "prefix", "checkpoint", "trimmed"):
-            c.add_metric([kind], cache["hits"].get(kind, 0))
-        c.add_metric(["miss"], cache["misses"])
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_cache_evictions", "Prompt cache entries evicted")
-        c.add_metric([], cache["evictions"])
-        yield c
-        c = CounterMetricFamily(
-            f"{PREFIX}_cache_evicted_bytes", "Bytes freed by prompt cache evictions"
-        )
-        c.add_metric([], cache["evicted_bytes"])
-        yield c
-        c = CounterMetricFamily(f"{PREFIX}_cache_expired", "Prompt cache entries expired (TTL)")
-        c.add_metric([], cache["expired"])
-        yield c
-        c = CounterMetricFamily(
-            f"{PREFIX}_engine_restarts", "Restarts of the generation loop after a crash"
-        )
-        c.add_metric([], engine.restarts)
-        yield c
-        g = GaugeMetricFamily(f"{PREFIX}_engine_healthy", "1 while the generation loop serves")
-        g.add_metric([], 1 if engine.is_healthy else 0)
-        yield g
-        g = GaugeMetricFamily(
-            f"{PREFIX}_requests_in_flight", "Completion requests accepted and not answered"
-        )
-        g.add_metric([], m.in_flight())
-        yield g
-        g = GaugeMetricFamily(
-            f"{PREFIX}_requests_queued", "Requests waiting for the generation thread"
-        )
-        g.add_metric([], engine.requests.qsize())
-        yield g
-        g = GaugeMetricFamily(
-            f"{PREFIX}_requests_active", "Requests in the batch or being served sequentially"
-        )
-        g.add_metric([], engine.active_requests)
-        yield g
+        single = [  # (family, name, help, value)
+            (GaugeMetricFamily, "cache_bytes", "Bytes held by the prompt cache", cache["bytes"]),
+            (GaugeMetricFamily, "cache_budget_bytes", "Byte budget of the prompt cache",
+             cache["budget_bytes"]),
+            (GaugeMetricFamily, "cache_entries", "Prompt cache entries", cache["entries"]),
+            (GaugeMetricFamily, "cache_tokens", "Tokens covered by prompt cache entries",
+             cache["cached_tokens"]),
+            (CounterMetricFamily, "cache_evictions", "Prompt cache entries evicted",
+             cache["evictions"]),
+            (CounterMetricFamily, "cache_evicted_bytes", "Bytes freed by prompt cache evictions",
+             cache["evicted_bytes"]),
+            (CounterMetricFamily, "cache_expired", "Prompt cache entries expired (TTL)",
+             cache["expired"]),
+            (CounterMetricFamily, "engine_restarts",
+             "Restarts of the generation loop after a crash", engine.restarts),
+            (GaugeMetricFamily, "engine_healthy", "1 while the generation loop serves",
+             1 if engine.is_healthy else 0),
+            (GaugeMetricFamily, "requests_in_flight",
+             "Completion requests accepted and not answered", m.in_flight()),
+            (GaugeMetricFamily, "requests_queued", "Requests waiting for the generation thread",
+             engine.requests.qsize()),
+            (GaugeMetricFamily, "requests_active",
+             "Requests in the batch or being served sequentially", engine.active_requests),
+        ]
+        for family, name, doc, value in single:
+            f = family(f"{PREFIX}_{name}", doc)
+            f.add_metric([], value)
+            yield f
+        lookups = dict(cache["hits"], miss=cache["misses"])
+        labelled = [  # (family, name, help, label, {label value: value})
+            (CounterMetricFamily, "cache_lookups", "Prompt cache lookups by result", "result",
+             {k: lookups.get(k, 0) for k in ("exact", "prefix", "checkpoint", "trimmed", "miss")}),
+        ]
         vision = engine.vision_stats()
         if vision is not None:
-            c = CounterMetricFamily(
-                f"{PREFIX}_vision_images", "Images of requests by how they were served",
-                labels=["source"],
-            )
-            c.add_metric(["vision_tower"], vision["images_encoded"])
-            c.add_metric(["cache"], vision["images_from_cache"])
-            yield c
+            labelled.append((CounterMetricFamily, "vision_images",
+                             "Images of requests by how they were served", "source",
+                             {"vision_tower": vision["images_encoded"],
+                              "cache": vision["images_from_cache"]}))
         memory = engine.memory()
-        g = GaugeMetricFamily(f"{PREFIX}_mlx_memory_bytes", "MLX allocator memory", labels=["kind"])
-        for kind in ("active", "cache", "peak"):
-            g.add_metric([kind], memory[f"mlx_{kind}_bytes"])
-        yield g
+        labelled.append((GaugeMetricFamily, "mlx_memory_bytes", "MLX allocator memory", "kind",
+                         {k: memory[f"mlx_{k}_bytes"] for k in ("active", "cache", "peak")}))
+        for family, name, doc, label, values in labelled:
+            f = family(f"{PREFIX}_{name}", doc, labels=[label])
+            for key, value in values.items():
+                f.add_metric([key], value)
+            yield f
 
 
 class Metrics:
@@ -170,65 +150,44 @@ class Metrics:
         self._clock = clock
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = PromCounter(
-            f"{PREFIX}_requests", "Completion requests by endpoint and status",
-            ["endpoint", "status"], registry=r,
-        )
-        self.finish_reasons = PromCounter(
-            f"{PREFIX}_finish_reasons", "Why requests ended (cancelled: the client went away)",
-            ["reason"], registry=r,
-        )
-        self.disconnects = PromCounter(
-            f"{PREFIX}_disconnects", "Clients that went away before their answer ended",
-            registry=r,
-        )
-        self.prompt_tokens = PromCounter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of served requests", registry=r
-        )
-        self.cached_tokens = PromCounter(
-            f"{PREFIX}_prompt_tokens_cached", "Prompt tokens taken from the prompt cache",
-            registry=r,
-        )
-        self.computed_tokens = PromCounter(
-            f"{PREFIX}_prompt_tokens_computed", "Prompt tokens computed (prefilled)", registry=r
-        )
-        self.generated_tokens = PromCounter(
-            f"{PREFIX}_generation_tokens", "Tokens generated", registry=r
-        )
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.request_seconds = Histogram(
-            f"{PREFIX}_request_duration_seconds", "Arrival to the end of the answer",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.prefill_tps = Histogram(
-            f"{PREFIX}_prefill_tokens_per_second",
-            "Per request: prompt tokens computed over prefill time",
-            buckets=SPEED_BUCKETS, registry=r,
-        )
-        self.decode_tps = Histogram(
-            f"{PREFIX}_decode_tokens_per_second", "Per request: generated tokens per second",
-            buckets=SPEED_BUCKETS, registry=r,
-        )
-        self.cache_match_tokens = Histogram(
-            f"{PREFIX}_cache_match_tokens", "Per request: prompt tokens reused from the cache",
-            buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=r,
-        )
-        self.cache_match_share = Histogram(
-            f"{PREFIX}_cache_match_ratio", "Per request: share of the prompt reused",
-            buckets=SHARE_BUCKETS, registry=r,
-        )
-        self.vision_seconds = Histogram(
-            f"{PREFIX}_vision_seconds", "Vision tower time per image request",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.removal_seconds = Histogram(
-            f"{PREFIX}_disconnect_removal_seconds",
-            "Disconnect to the request leaving the engine",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r,
-        )
+        def counter(name, doc, labels=()):
+            return PromCounter(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=r)
+
+        self.requests = counter(
+            "requests", "Completion requests by endpoint and status", ["endpoint", "status"])
+        self.finish_reasons = counter(
+            "finish_reasons", "Why requests ended (cancelled: the client went away)", ["reason"])
+        self.disconnects = counter(
+            "disconnects", "Clients that went away before their answer ended")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests")
+        self.cached_tokens = counter(
+            "prompt_tokens_cached", "Prompt tokens taken from the prompt cache")
+        self.computed_tokens = counter(
+            "prompt_tokens_computed", "Prompt tokens computed (prefilled)")
+        self.generated_tokens = counter("generation_tokens", "Tokens generated")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.request_seconds = histogram(
+            "request_duration_seconds", "Arrival to the end of the answer", LATENCY_BUCKETS)
+        self.prefill_tps = histogram(
+            "prefill_tokens_per_second",
+            "Per request: prompt tokens computed over prefill time", SPEED_BUCKETS)
+        self.decode_tps = histogram(
+            "decode_tokens_per_second", "Per request: generated tokens per second",
+            SPEED_BUCKETS)
+        self.cache_match_tokens = histogram(
+            "cache_match_tokens", "Per request: prompt tokens reused from the cache",
+            (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144))
+        self.cache_match_share = histogram(
+            "cache_match_ratio", "Per request: share of the prompt reused", SHARE_BUCKETS)
+        self.vision_seconds = histogram(
+            "vision_seconds", "Vision tower time per image request", LATENCY_BUCKETS)
+        self.removal_seconds = histogram(
+            "disconnect_removal_seconds", "Disconnect to the request leaving the engine",
+            (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
         r.register(_LiveCollector(self))
 
         self.recent: Deque[RequestRecord] = deque(maxlen=HISTORY)

@@ -2,7 +2,6 @@
 disconnected request within one generation step (issue 5)."""
 
 import asyncio
-import threading
 import time
 
 import pytest

@@ -6,7 +6,6 @@ import base64
 import io
 
 import pytest
-from mlx_lm.server import Response
 from PIL import Image, PngImagePlugin
 
 from tests.engine_harness import EngineRunner
