@@ -299,6 +299,8 @@ class Server:
     async def _handle_completion(self, request: web.Request, track: "_Tracker"):
         try:
             body = await self._read_body(request)
+            if getattr(self.cli_args, "allow_remote_images", False):
+                await inline_remote_images(body, self.cli_args)
             parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
         except RequestError as e:
             return self.error(request, str(e), e.status)
@@ -437,6 +439,44 @@ class Server:
             )
         await response.write(b"data: [DONE]\n\n")
         return response
+
+
+async def inline_remote_images(body, cli_args) -> None:
+    """--allow-remote-images: fetch http(s) image URLs into data URLs, each
+    within --max-image-bytes and --remote-image-timeout seconds (upstream
+    fetches any URL, unbounded, on its handler thread)."""
+    import aiohttp
+    import base64
+
+    from mlx_lm.server import _image_parts, _image_url
+
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return  # validation answers that
+    limit = cli_args.max_image_bytes
+    timeout = aiohttp.ClientTimeout(total=cli_args.remote_image_timeout)
+    parts = [p for p in _image_parts(messages)
+             if isinstance(_image_url(p), str) and _image_url(p).startswith(("http://", "https://"))]
+    if not parts:
+        return
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for i, part in enumerate(parts):
+            url = _image_url(part)
+            try:
+                async with session.get(url) as r:
+                    if r.status != 200:
+                        raise RequestError(f"Remote image {i}: {url} answered {r.status}")
+                    data = await r.content.read(limit + 1)
+                    mime = r.content_type or "application/octet-stream"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise RequestError(f"Remote image {i}: could not fetch {url}: {e!r}") from e
+            if len(data) > limit:
+                raise RequestError(
+                    f"Remote image {i} is larger than {limit} bytes (--max-image-bytes)", 413
+                )
+            part.clear()
+            part.update(type="image_url", image_url={
+                "url": f"data:{mime};base64,{base64.b64encode(data).decode()}"})
 
 
 class _Tracker:

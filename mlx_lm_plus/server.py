@@ -24,6 +24,8 @@ OUR_FLAGS = (
     "--max-images",
     "--max-image-bytes",
     "--max-image-pixels",
+    "--allow-remote-images",
+    "--remote-image-timeout",
     "--max-tokens-ceiling",
     "--max-queued-requests",
     "--shutdown-timeout",
@@ -245,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=40_000_000,
         help="(mlx_lm_plus) Most pixels (width x height) in one image, checked "
         "before decoding (default: 40,000,000)",
+    )
+    parser.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="(mlx_lm_plus) Fetch http(s) image URLs (default: refused with 400; "
+        "a server that fetches any URL a client names is a security hole)",
+    )
+    parser.add_argument(
+        "--remote-image-timeout",
+        type=float,
+        default=10.0,
+        help="(mlx_lm_plus) Seconds to fetch one remote image (default: 10)",
     )
     parser.add_argument(
         "--max-tokens-ceiling",

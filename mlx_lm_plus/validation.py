@@ -186,7 +186,8 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
         if url.startswith(("http://", "https://")):
             raise RequestError(
                 f"Image {i}: remote image URLs are not fetched by this server; "
-                "send the image as a data URL (data:image/png;base64,...)"
+                "send the image as a data URL (data:image/png;base64,...), or start "
+                "the server with --allow-remote-images"
             )
         if not url.startswith("data:") or "," not in url:
             raise RequestError(f"Image {i}: images must be data URLs (data:<mime>;base64,<data>)")

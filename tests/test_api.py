@@ -21,6 +21,7 @@ class ScriptedEngine:
         self.script = script or []
         self.healthy = True
         self.channels = []
+        self.requests = []
 
     @property
     def is_healthy(self):
@@ -34,6 +35,7 @@ class ScriptedEngine:
         if not self.healthy:
             raise EngineUnavailable("generation thread died")
         self.channels.append(channel)
+        self.requests.append(request)
         threading.Thread(target=self._play, args=(channel,), daemon=True).start()
 
     def _play(self, channel):
@@ -217,3 +219,49 @@ async def test_queue_limit_is_503_with_retry_after(aiohttp_client):
     assert [(await t).status for t in held] == [200, 200]
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status == 200
+
+
+async def test_remote_images_only_with_the_flag_and_within_limits(aiohttp_client, aiohttp_server):
+    import base64
+    import io
+
+    from aiohttp import web
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
+    picture = out.getvalue()
+
+    async def serve(request):
+        if request.path == "/slow.png":
+            await asyncio.sleep(5)
+        if request.path == "/big.png":
+            return web.Response(body=b"x" * 5000, content_type="image/png")
+        return web.Response(body=picture, content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/{name}", serve)
+    images = await aiohttp_server(app)
+
+    def body(name):
+        return {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{images.port}/{name}"}},
+            {"type": "text", "text": "?"}]}]}
+
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    off = await make_client(aiohttp_client, engine)
+    r = await off.post("/v1/chat/completions", json=body("a.png"))
+    assert r.status == 400 and "--allow-remote-images" in (await r.json())["error"]
+
+    on = await make_client(aiohttp_client, engine, [
+        "--allow-remote-images", "--max-image-bytes", "4000", "--remote-image-timeout", "1"])
+    r = await on.post("/v1/chat/completions", json=body("a.png"))
+    assert r.status == 200, await r.text()
+    part = engine.requests[-1].messages[0]["content"][0]
+    assert part["image_url"]["url"] == (
+        "data:image/png;base64," + base64.b64encode(picture).decode())
+    r = await on.post("/v1/chat/completions", json=body("big.png"))
+    assert r.status == 413 and "larger than 4000 bytes" in (await r.json())["error"]
+    r = await on.post("/v1/chat/completions", json=body("slow.png"))
+    assert r.status == 400 and "could not fetch" in (await r.json())["error"]
+    assert len(engine.requests) == 1
