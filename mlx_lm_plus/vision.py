@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # The families whose M-RoPE and feature merge this module handles.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def is_vision_model(model_path) -> bool:
@@ -266,11 +266,24 @@ class VisionSupport:
         delta = vision.delta_at(cached)
         positions = features.position_ids + (cached + delta)
         embeddings = features.inputs_embeds
+        # Qwen3-VL adds vision features into early layers at the image
+        # positions ("deepstack"). Each chunk gets its own slice of them, so
+        # mlx-vlm never slices by cache offset (which assumes the mask starts
+        # at position 0, not where this stretch starts).
+        masks = getattr(features, "visual_pos_masks", None)
+        deepstack = getattr(features, "deepstack_visual_embeds", None)
         lm = self.vlm.language_model
         n = end - cached
         for i in range(0, n, step):
+            extra = {}
+            if masks is not None and deepstack is not None:
+                chunk = masks[:, i : i + step]
+                before, count = int(masks[:, :i].sum().item()), int(chunk.sum().item())
+                if count:
+                    extra = dict(visual_pos_masks=chunk, deepstack_visual_embeds=[
+                        d[before : before + count] for d in deepstack])
             lm(ids[:, i : i + step], inputs_embeds=embeddings[:, i : i + step], cache=cache,
-               position_ids=positions[:, :, i : i + step])
+               position_ids=positions[:, :, i : i + step], **extra)
             mx.eval([c.state for c in cache])
         set_rope_delta(cache, vision.delta_at(end))
         return end

@@ -357,7 +357,7 @@ def build_fixture(kind: str, root) -> Path:
 
 # -- vision-language fixtures (served through mlx-vlm) --
 
-VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + [
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 ]
@@ -403,7 +403,7 @@ def build_vision_fixture(kind: str, root) -> Path:
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 32768}))
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "patch_size": 16 if kind == "qwen3_vl" else 14, "temporal_patch_size": 2, "merge_size": 2,
         "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711]}))
@@ -416,12 +416,21 @@ def build_vision_fixture(kind: str, root) -> Path:
         vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
                   "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
                   "temporal_patch_size": 2, "in_chans": 3}
-    else:  # qwen2_5_vl: window attention in the vision tower
+    elif kind == "qwen2_5_vl":  # window attention in the vision tower
         vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
                   "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
                   "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
                   "tokens_per_second": 2, "in_channels": 3}
-    config = {"model_type": kind, **text, "text_config": dict(text, model_type=kind),
+    else:  # qwen3_vl: deepstack features from the vision tower into early layers
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+                  "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "num_position_embeddings": 64,
+                  "deepstack_visual_indexes": [0]}
+        text = dict(text, head_dim=16, rope_scaling={
+            "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    # qwen2(.5)_vl read the text settings at the root, qwen3_vl under text_config.
+    root = text if kind != "qwen3_vl" else {"tie_word_embeddings": False}
+    config = {"model_type": kind, **root, "text_config": dict(text, model_type=kind),
               "vision_config": dict(vision, model_type=kind),
               "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
               "vision_start_token_id": ids["<|vision_start|>"],
@@ -432,8 +441,9 @@ def build_vision_fixture(kind: str, root) -> Path:
 
     module, _ = get_model_and_args(dict(config))
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = module.VisionConfig.from_dict(model_config.vision_config)
+    if isinstance(model_config.text_config, dict):  # qwen2(.5)_vl
+        model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
+        model_config.vision_config = module.VisionConfig.from_dict(model_config.vision_config)
     mx.random.seed(1234)
     model = module.Model(model_config)
     model.set_dtype(mx.float32)

@@ -32,7 +32,17 @@ def user(*parts):
 RED, BLUE, GREEN = png((200, 30, 30)), png((30, 30, 200)), png((30, 160, 40), size=(84, 56))
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def noise(seed, size=(84, 84)):
+    """A picture whose every patch differs (flat pictures hide mixed-up patches)."""
+    import numpy as np
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def kind(request):
     return request.param
 
@@ -227,3 +237,21 @@ def test_image_formats(runner, fmt):
         from mlx_lm_plus.vision import decode_image, fingerprint
 
         assert fingerprint(decode_image(url)) == fingerprint(frames[0].convert("RGB"))
+
+
+def test_image_prefill_in_small_chunks_and_resumed_mid_prompt(fixture_path, kind, cold):
+    """Chunks of 3 tokens cut through the images (and Qwen3-VL's deepstack
+    features), and a second image after a cached first one starts its
+    stretch mid-prompt: both give the cold single-chunk answer."""
+    r = EngineRunner(fixture_path(kind), argv=["--prefill-step-size", "3"])
+    try:
+        first = [user(image_part(noise(1)), "Look at this.")]
+        both = first + [{"role": "assistant", "content": "I see it."},
+                        user(image_part(noise(2)), "And now this one?")]
+        for messages in (first, both):
+            body = {"messages": messages, "max_tokens": 8}
+            tokens, prompt, cached = r.run(body)
+            assert tokens == cold.run(body)[0]
+        assert cached > 0 and r.provider.processor.calls == 2  # the first was not encoded again
+    finally:
+        r.close()
