@@ -11,7 +11,8 @@ alternates (A B, then B A) because timings on shared machines drift. Counts
 medians over the rounds, and every figure as the ratio ours / theirs.
 
 Model kinds: `attention` (tiny qwen3 fixture), `hybrid` (tiny qwen3_5),
-`mid` (random qwen3, 8 layers, hidden 512: prefill dominates), `demo` (the
+`mid` (random qwen3, 8 layers, hidden 512: prefill dominates), `vision`
+(tiny qwen2_vl), `vision-hybrid` (tiny qwen3_5 with vision), `demo` (the
 embedded SmolLM2-135M), or any kind of tests/fixtures.py.
 """
 
@@ -35,7 +36,8 @@ from benchmarks.workloads import (
 )
 from compat.launch import OURS, UPSTREAM, ServerProcess
 
-KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid", "vision": "qwen2_vl"}
+KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid", "vision": "qwen2_vl",
+         "vision-hybrid": "qwen3_5_vl"}
 
 
 def resolve_model(args, work: Path) -> str:
@@ -135,7 +137,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run workloads against both servers")
-    add_model_args(p, "hybrid")  # kinds: attention, hybrid, mid, vision, demo, or a fixture
+    add_model_args(p, "hybrid")  # kinds: see KINDS, demo, or a fixture
     p.add_argument("--workload", action="append", choices=list(WORKLOADS))
     p.add_argument("--all", action="store_true", help="every workload")
     p.add_argument("--against", default="upstream",

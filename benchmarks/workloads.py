@@ -202,24 +202,34 @@ def picture(size=(224, 224)) -> str:
 
 async def vision(run: Run) -> Dict[str, Any]:
     """One picture, then text follow-ups about it (streamed): how much of
-    turn 1's time the later turns take, and how often the vision tower ran."""
+    turn 1's time the later turns take, and how often the vision tower ran.
+    Then the same picture with another first question (what a user does on
+    editing that question): its time to first token over turn 1's."""
     client = run.client()
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": picture()}},
-        {"type": "text", "text": "Describe this picture in detail."}]}]
+
+    def first_message(question):
+        return {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": picture()}},
+            {"type": "text", "text": question}]}
+
+    messages = [first_message("Describe this picture in detail.")]
     turns = 2 if run.smoke else 4
     for t in range(turns):
         row = await client.chat(run.http, messages, stream=True)
         messages += [{"role": "assistant", "content": row.text},
                      {"role": "user", "content": _user(0, t)}]
+    edited = await client.chat(
+        run.http, [first_message("What stands out in this picture?")], stream=True)
     stats = await get_json(run.http, run.url, "/v1/stats")
     vision_stats = (stats or {}).get("engine", {}).get("vision") or {}
-    rows = client.rows
+    rows = client.rows[:turns]
     return {
         "ttft turn 1 (s)": rows[0].ttft,
         "ttft turn 2 / turn 1": rows[1].ttft / rows[0].ttft,
         "ttft turns 2.. mean / turn 1": _mean([r.ttft for r in rows[1:]]) / rows[0].ttft,
         "cached share of turns 2..": sum(r.cached for r in rows[1:]) / sum(r.prompt for r in rows[1:]),
+        "ttft same picture, new question / turn 1": edited.ttft / rows[0].ttft,
+        "cached share, same picture new question": edited.cached / edited.prompt,
         "vision tower images": vision_stats.get("images_encoded"),
     }
 

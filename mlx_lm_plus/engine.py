@@ -27,6 +27,7 @@ upstream, each on purpose:
 
 import copy
 import gc
+import itertools
 import logging
 import pickle
 import time
@@ -41,7 +42,7 @@ from mlx_lm.generate import (
     make_text_state_machine,
     stream_generate,
 )
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.server import (
     GenerationContext,
     Response,
@@ -56,7 +57,7 @@ from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, is_plain_kv
 from .prompt import build_prompt, split_at, template_kwargs
-from .vision import VisionSupport, set_rope_delta
+from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
 _apply_patches()
@@ -327,6 +328,8 @@ class Engine:
         # in the store (an edit or regeneration inside a message), so the
         # next variant of the same branch can resume there.
         depth = self.store.shared_depth(self.model_provider.model_key, plan.cache_key)
+        if isinstance(plan.vision, VisionPrompt):  # not inside an image
+            depth = plan.vision.safe_prefix(depth)
         if 0 < depth < len(plan.tokens) - 1:
             split_at(plan, depth)
         return plan
@@ -364,7 +367,10 @@ class Engine:
         images = plan.vision
         safe = images.safe_prefix(cached) if images is not None else cached
         if cache is not None and safe < cached:
-            trim_prompt_cache(cache, cached - safe)
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, cached - safe)
+            else:  # hybrid: its entries end at checkpoints, never in an image
+                cache = None
         cached = safe if cache is not None else 0
         if cache is None:
             cache = make_prompt_cache(model)
@@ -374,8 +380,19 @@ class Engine:
         set_rope_delta(cache, images.delta_at(cached) if images is not None else 0)
         if images is not None and cached < images.end_of_images():
             tic = time.perf_counter()
+            checkpoints = {}
+            if self._keep_checkpoints(model):
+                ends = itertools.accumulate(len(s) for s in plan.segments[:-1])
+                checkpoints = dict(zip(ends, plan.segment_types))
+
+            def store_checkpoint(position):
+                kept = copy.deepcopy(cache)
+                set_rope_delta(kept, images.delta_at(position))
+                self._store(plan.cache_key[:position], kept, checkpoints[position])
+
             cached = vision.prefill(
-                plan.tokens, images, cache, cached, self.cli_args.prefill_step_size
+                model, plan.tokens, images, cache, cached, self.cli_args.prefill_step_size,
+                checkpoints=list(checkpoints), on_checkpoint=store_checkpoint,
             )
             self._observe("vision_seconds", time.perf_counter() - tic)
         return cache, reused, cached
@@ -529,12 +546,12 @@ class Engine:
 
             cache_key = plan.cache_key
             cache, ctx.prompt_cache_count = self._fetch_cache(cache_key)
-            rest = plan.tokens[ctx.prompt_cache_count :]
+            covered = ctx.prompt_cache_count
             if self._vision is not None:
                 cache, ctx.prompt_cache_count, covered = self._resume(
-                    model, plan, cache, ctx.prompt_cache_count
+                    model, plan, cache, covered
                 )
-                rest = plan.tokens[covered:]
+            rest = plan.tokens[covered:]
             if cache is None:
                 cache = make_prompt_cache(model)
                 if draft_model is not None:
@@ -548,10 +565,8 @@ class Engine:
                     raise _Cancelled
                 channel.put((done, total))
 
-            if draft_model is None and plan.vision is None:
-                rest = self._prefill_checkpoints(
-                    model, cache, plan, ctx.prompt_cache_count, progress
-                )
+            if draft_model is None and (plan.vision is None or self._vision is not None):
+                rest = self._prefill_checkpoints(model, cache, plan, covered, progress)
 
             input_embeddings = None
             vision = plan.vision

@@ -78,8 +78,8 @@ def build_prompt(
             messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
         )
         tokens, vision = processor.prepare(text, urls)
-        initial_state = _initial_state(tokenizer, tokens)
-        return PromptPlan(tokens, [tokens], ["prompt"], initial_state, vision)
+        boundaries = image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs)
+        return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), vision)
     if urls:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
@@ -106,6 +106,11 @@ def build_prompt(
         return PromptPlan(tokens, [tokens], ["prompt"], initial_state, vision)
 
     boundaries = checkpoint_positions(tokenizer, messages, tokens, kwargs)
+    return _plan(tokens, boundaries, initial_state, None)
+
+
+def _plan(tokens, boundaries, initial_state, vision) -> PromptPlan:
+    """A plan whose segments end at the sorted (position, kind) boundaries."""
     segments, segment_types, start = [], [], 0
     for position, kind in boundaries:
         segments.append(tokens[start:position])
@@ -113,7 +118,7 @@ def build_prompt(
         start = position
     segments.append(tokens[start:])
     segment_types.append("prompt")
-    return PromptPlan(tokens, segments, segment_types, initial_state, None)
+    return PromptPlan(tokens, segments, segment_types, initial_state, vision)
 
 
 # Two sentinels with different first characters: whatever the real content
@@ -195,6 +200,35 @@ def checkpoint_positions(tokenizer, messages, tokens, kwargs) -> List[tuple]:
         p = _boundary(tokenizer, tokens, nexts, kwargs, True)
         if 0 < p < n:
             found.setdefault(p, "checkpoint")
+    return sorted(found.items())
+
+
+def image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs) -> List[tuple]:
+    """Checkpoints of a prompt with images: the end of each image (the same
+    picture with another question, or an edit after it, resumes there
+    without the vision tower), and the message boundaries of
+    `checkpoint_positions`.
+
+    The template writes each image as one placeholder token, which the
+    processor expands into the image's tokens: the sentinel renderings are
+    compared with the prompt as the template tokenizes it, and a position
+    after an image moves by that image's extra tokens. If the two
+    tokenizations disagree on the text, only the image ends are kept.
+    """
+    n = len(tokens)
+    found = {img.end: "checkpoint" for img in vision.images if img.end < n}
+    collapsed, shifts, removed = list(tokens), [], 0
+    for img in vision.images:
+        del collapsed[img.start + 1 - removed : img.end - removed]
+        shifts.append((img.start - removed, img.end - img.start - 1))
+        removed += img.end - img.start - 1
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    if list(rendered) == collapsed:
+        for p, kind in checkpoint_positions(tokenizer, messages, collapsed, kwargs):
+            p += sum(extra for placeholder, extra in shifts if placeholder < p)
+            p = vision.safe_prefix(p)
+            if 0 < p < n:
+                found.setdefault(p, kind)
     return sorted(found.items())
 
 

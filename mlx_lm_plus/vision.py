@@ -16,6 +16,11 @@ delta travels with each request's cache instead (`MRopeKVCache`, and
 `MRopeBatchKVCache` per row of a batch), and positions are always passed
 explicitly, so the model's own state is never read.
 
+Qwen3.5 (hybrid: gated delta layers between attention layers) runs
+mlx-lm's own language model instead, on mlx-vlm's weights
+(`HybridTextModel`); its image prompts get checkpoints at each image's end,
+since a hybrid cache can't be cut back.
+
 Cache keys: each image's placeholder tokens are replaced by one negative id
 derived from an xxh3 fingerprint of the decoded pixels (with size and
 mode), so the same picture sent again (even re-encoded) hits, and two
@@ -25,6 +30,7 @@ different pictures never share a key past the first of them.
 import base64
 import io
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Tuple
@@ -34,7 +40,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # The families whose M-RoPE and feature merge this module handles.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 def is_vision_model(model_path) -> bool:
@@ -129,6 +135,90 @@ class TextModel(nn.Module):
             inputs, inputs_embeds=input_embeddings, cache=cache, position_ids=positions
         )
         return out.logits
+
+    def prefill_chunk(self, ids, embeddings, cache, positions, **extra):
+        """A stretch of prompt with images, at explicit 3-D positions."""
+        self.language_model(ids, inputs_embeds=embeddings, cache=cache,
+                            position_ids=positions, **extra)
+
+
+class _Positions:
+    """Where the next tokens sit, read by every attention layer's rotary
+    embedding during one forward pass: the request's M-RoPE delta (text,
+    per row in a batch) or explicit 3-D positions (a stretch with images)."""
+
+    delta: Any = 0
+    ids: Any = None
+
+
+class ShiftedRoPE(nn.Module):
+    """mlx-lm's rotary embedding at offset + the M-RoPE delta, or mlx-vlm's
+    multimodal one at explicit positions. For text tokens the three M-RoPE
+    axes are equal, and M-RoPE at (p, p, p) is plain RoPE at p."""
+
+    def __init__(self, rope, mrope, positions: _Positions):
+        super().__init__()
+        self.rope = rope
+        self._mrope = mrope  # underscored: not a parameter of the model
+        self._positions = positions
+
+    def __call__(self, x, offset=0):
+        p = self._positions
+        if p.ids is not None:
+            return self._mrope.apply_rotary(x, x, p.ids)[0]
+        return self.rope(x, offset=offset + p.delta)
+
+
+class HybridTextModel(nn.Module):
+    """Qwen3.5's language model as mlx-lm implements it, for a Qwen3.5
+    checkpoint with vision.
+
+    mlx-lm's qwen3_5 is what BatchGenerator, the hybrid caches (ArraysCache
+    for the gated delta layers) and our checkpoints are built and tested
+    on; mlx-vlm's own language model brings its own cache classes and batch
+    code. So text steps and image prefill both run mlx-lm's model, with the
+    weights mlx-vlm loaded (shared, not copied), and only the rotary
+    embedding of its attention layers made M-RoPE aware (ShiftedRoPE).
+    """
+
+    def __init__(self, lm, vlm):
+        super().__init__()
+        self.lm = lm
+        self._positions = _Positions()
+        vlm_layers = vlm.language_model.model.layers
+        for layer, vlm_layer in zip(lm.layers, vlm_layers):
+            if not layer.is_linear:
+                attn = layer.self_attn
+                attn.rope = ShiftedRoPE(attn.rope, vlm_layer.self_attn.rotary_emb,
+                                        self._positions)
+
+    @property
+    def layers(self):
+        return self.lm.layers
+
+    def make_cache(self):
+        return [MRopeKVCache() if isinstance(c, KVCache) else c for c in self.lm.make_cache()]
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        self._positions.delta = _rope_delta(cache)
+        return self.lm(inputs, cache=cache, input_embeddings=input_embeddings)
+
+    def prefill_chunk(self, ids, embeddings, cache, positions, **extra):
+        self._positions.ids = positions
+        try:
+            self.lm(ids, cache=cache, input_embeddings=embeddings)
+        finally:
+            self._positions.ids = None
+
+
+def _rope_delta(cache):
+    """The M-RoPE delta of a cache list (per row for a batch), 0 if none."""
+    for c in cache or ():
+        if isinstance(c, MRopeBatchKVCache):
+            return c.rope_deltas
+        if isinstance(c, MRopeKVCache):
+            return c.rope_delta
+    return 0
 
 
 # -- prompts with images --
@@ -245,14 +335,16 @@ class VisionSupport:
             key[img.start : img.end] = [img.fingerprint] * (img.end - img.start)
         return tokens, VisionPrompt(spans, key)
 
-    def prefill(self, tokens: List[int], vision: VisionPrompt, cache: List[Any],
-                cached: int, step: int) -> int:
+    def prefill(self, text_model, tokens: List[int], vision: VisionPrompt, cache: List[Any],
+                cached: int, step: int, checkpoints=(), on_checkpoint=None) -> int:
         """Prefill tokens[cached:end of the last image] into `cache` with the
         vision tower on the images not cached yet. Returns the new cached count.
 
         Positions of this stretch come from mlx-vlm's rope index of the
         stretch alone, shifted to where it starts (M-RoPE positions are
         shift-invariant), so the images before it need not be seen again.
+        Chunks of `step` tokens also end at each of `checkpoints` inside the
+        stretch, where `on_checkpoint(position)` is called.
         """
         end = vision.end_of_images()
         if cached >= end:
@@ -272,19 +364,22 @@ class VisionSupport:
         # at position 0, not where this stretch starts).
         masks = getattr(features, "visual_pos_masks", None)
         deepstack = getattr(features, "deepstack_visual_embeds", None)
-        lm = self.vlm.language_model
         n = end - cached
-        for i in range(0, n, step):
+        stops = set(range(step, n, step)) | {p - cached for p in checkpoints if cached < p <= end}
+        cuts = [0, *sorted(stops | {n})]
+        for i, j in zip(cuts, cuts[1:]):
             extra = {}
             if masks is not None and deepstack is not None:
-                chunk = masks[:, i : i + step]
+                chunk = masks[:, i:j]
                 before, count = int(masks[:, :i].sum().item()), int(chunk.sum().item())
                 if count:
                     extra = dict(visual_pos_masks=chunk, deepstack_visual_embeds=[
                         d[before : before + count] for d in deepstack])
-            lm(ids[:, i : i + step], inputs_embeds=embeddings[:, i : i + step], cache=cache,
-               position_ids=positions[:, :, i : i + step], **extra)
+            text_model.prefill_chunk(ids[:, i:j], embeddings[:, i:j], cache,
+                                     positions[:, :, i:j], **extra)
             mx.eval([c.state for c in cache])
+            if cached + j in checkpoints and on_checkpoint is not None:
+                on_checkpoint(cached + j)
         set_rope_delta(cache, vision.delta_at(end))
         return end
 
@@ -304,4 +399,27 @@ def load_vision_model(model_path: str):
     vlm, processor = vlm_load(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text())
     tokenizer = load_tokenizer(Path(model_path))
-    return TextModel(vlm), tokenizer, VisionSupport(vlm, processor, config)
+    if config["model_type"] == "qwen3_5":
+        text_model = HybridTextModel(_mlx_lm_sharing_weights(model_path, vlm), vlm)
+    else:
+        text_model = TextModel(vlm)
+    return text_model, tokenizer, VisionSupport(vlm, processor, config)
+
+
+def _mlx_lm_sharing_weights(model_path, vlm):
+    """mlx-lm's model for the checkpoint's language part, holding the very
+    arrays mlx-vlm loaded. Loaded lazily, so its own copy of the weights is
+    never read from disk unless the two disagree on the parameters."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import load_model
+
+    lm, _ = load_model(Path(model_path), lazy=True)
+    ours = {k: v.shape for k, v in tree_flatten(lm.language_model.parameters())}
+    theirs = tree_flatten(vlm.language_model.parameters())
+    if ours == {k: v.shape for k, v in theirs}:
+        lm.language_model.update(tree_unflatten(theirs))
+    else:  # a layout we did not expect: correct, at the cost of a second copy
+        logging.warning("mlx-lm and mlx-vlm disagree on the language model's "
+                        "parameters; loading a second copy of its weights")
+        mx.eval(lm.parameters())
+    return lm

@@ -4,6 +4,8 @@ asserted: they drift on shared machines). Counts and correctness are."""
 
 import json
 
+import pytest
+
 from benchmarks.__main__ import main
 from benchmarks.workloads import VISION_WORKLOADS, WORKLOADS
 
@@ -36,14 +38,17 @@ def test_every_workload_runs_against_upstream(fixture_path, tmp_path, capsys):
         upstream["branch"]["recomputed/novel, branches only"]
 
 
-def test_vision_workload(fixture_path, capsys):
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5_vl"])
+def test_vision_workload(fixture_path, capsys, kind):
     report = main(["run", "--workload", "vision", "--smoke", "--rounds", "1",
-                   "--model", str(fixture_path("qwen2_vl"))])
+                   "--model", str(fixture_path(kind))])
     figures = report["workloads"]["vision"]["median"]
     ours, upstream = figures["ours"], figures["upstream"]
-    # One image, sent again with every turn: through the vision tower once.
+    # One image, sent again with every turn and with the new question:
+    # through the vision tower once.
     assert ours["vision tower images"] == 1
     assert ours["ttft turn 2 / turn 1"] is not None
-    # mlx_lm.server 0.32.2 has no vision for qwen2_vl: it refuses image parts.
+    assert ours["cached share, same picture new question"] > 0.5
+    # mlx_lm.server 0.32.2 has no vision for these models: it refuses image parts.
     assert "Only 'text' content type is supported" in upstream["error"]
     assert "## vision" in capsys.readouterr().out
