@@ -16,7 +16,7 @@ delta travels with each request's cache instead (`MRopeKVCache`, and
 `MRopeBatchKVCache` per row of a batch), and positions are always passed
 explicitly, so the model's own state is never read.
 
-Qwen3.5 (hybrid: gated delta layers between attention layers) runs
+Qwen3.5 and Qwen3.5-MoE (hybrid: gated delta layers between attention layers) run
 mlx-lm's own language model instead, on mlx-vlm's weights
 (`HybridTextModel`); its image prompts get checkpoints at each image's end,
 since a hybrid cache can't be cut back.
@@ -40,7 +40,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # The families whose M-RoPE and feature merge this module handles.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# Hybrid ones, served by mlx-lm's language model on mlx-vlm's weights.
+HYBRID_VISION_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def is_vision_model(model_path) -> bool:
@@ -399,7 +401,7 @@ def load_vision_model(model_path: str):
     vlm, processor = vlm_load(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text())
     tokenizer = load_tokenizer(Path(model_path))
-    if config["model_type"] == "qwen3_5":
+    if config["model_type"] in HYBRID_VISION_MODEL_TYPES:
         text_model = HybridTextModel(_mlx_lm_sharing_weights(model_path, vlm), vlm)
     else:
         text_model = TextModel(vlm)
