@@ -392,7 +392,7 @@ class Engine:
 
             cached = vision.prefill(
                 model, plan.tokens, images, cache, cached, self.cli_args.prefill_step_size,
-                checkpoints=list(checkpoints), on_checkpoint=store_checkpoint,
+                checkpoints=checkpoints, on_checkpoint=store_checkpoint,
             )
             self._observe("vision_seconds", time.perf_counter() - tic)
         return cache, reused, cached

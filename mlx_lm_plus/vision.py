@@ -380,7 +380,7 @@ class VisionSupport:
             text_model.prefill_chunk(ids[:, i:j], embeddings[:, i:j], cache,
                                      positions[:, :, i:j], **extra)
             mx.eval([c.state for c in cache])
-            if cached + j in checkpoints and on_checkpoint is not None:
+            if cached + j in checkpoints:
                 on_checkpoint(cached + j)
         set_rope_delta(cache, vision.delta_at(end))
         return end

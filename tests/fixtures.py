@@ -360,6 +360,10 @@ def build_fixture(kind: str, root) -> Path:
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl")
 # The fixture kind's model_type (Qwen3.5 is one model type for text and vision).
 VISION_MODEL_TYPE = {"qwen3_5_vl": "qwen3_5", "qwen3_5_moe_vl": "qwen3_5_moe"}
+# Hybrid (gated delta and attention layers), built from the text qwen3_5 config.
+HYBRID_VISION_KINDS = ("qwen3_5_vl", "qwen3_5_moe_vl")
+# qwen2(.5)_vl: 14-pixel patches and the text settings at the config's root.
+QWEN2_VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
 VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + [
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 ]
@@ -405,7 +409,7 @@ def build_vision_fixture(kind: str, root) -> Path:
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 32768}))
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "patch_size": 16 if kind in ("qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl") else 14, "temporal_patch_size": 2, "merge_size": 2,
+        "patch_size": 14 if kind in QWEN2_VISION_KINDS else 16, "temporal_patch_size": 2, "merge_size": 2,
         "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711]}))
@@ -430,7 +434,7 @@ def build_vision_fixture(kind: str, root) -> Path:
                   "deepstack_visual_indexes": [0]}
         text = dict(text, head_dim=16, rope_scaling={
             "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-    if kind in ("qwen3_5_vl", "qwen3_5_moe_vl"):  # hybrid: gated delta and attention layers
+    if kind in HYBRID_VISION_KINDS:
         vision = dict(vision, deepstack_visual_indexes=[])
         text = {k: v for k, v in _config("qwen3_5", text["vocab_size"]).items()
                 if k != "model_type"}
@@ -438,8 +442,7 @@ def build_vision_fixture(kind: str, root) -> Path:
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=32, decoder_sparse_step=1)
     model_type = VISION_MODEL_TYPE.get(kind, kind)
-    # qwen2(.5)_vl read the text settings at the root, the others under text_config.
-    root = text if kind in ("qwen2_vl", "qwen2_5_vl") else {"tie_word_embeddings": False}
+    root = text if kind in QWEN2_VISION_KINDS else {"tie_word_embeddings": False}
     config = {"model_type": model_type, **root,
               "text_config": dict(text, model_type=model_type),
               "vision_config": dict(vision, model_type=model_type),
@@ -464,7 +467,7 @@ def build_vision_fixture(kind: str, root) -> Path:
             w = w * 2.0
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 w = w * 1.5  # sharp, position-sensitive attention (no q/k norms)
-        if kind in ("qwen3_5_vl", "qwen3_5_moe_vl"):  # as the text qwen3_5 fixture
+        if kind in HYBRID_VISION_KINDS:  # as the text qwen3_5 fixture (_make_usable)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 w = w * 3.0
             if name.endswith("A_log"):
