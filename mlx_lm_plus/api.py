@@ -8,6 +8,7 @@ channel, and the engine drops the request at its next step.
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -16,13 +17,19 @@ from pathlib import Path
 from typing import Optional
 
 from aiohttp import web
+from mlx_lm.server import _image_parts, _image_url
 
-from .engine import Channel, EngineUnavailable, PromptError
+from .engine import Channel, EngineUnavailable, InternalError, PromptError
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
 from .validation import RequestError, parse_request
+from .vision import decode_images
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+# Endpoints that change the server's state or show what other clients sent.
+# They get no CORS headers and refuse cross-origin callers without the API
+# key: otherwise any web page the operator opens could call them on localhost.
+ADMIN_PATHS = ("/v1/cache", "/v1/cache/stats", "/v1/stats", "/metrics")
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 
 
@@ -68,6 +75,8 @@ class Server:
     # -- headers --
 
     def cors_headers(self, request: web.Request) -> dict:
+        if request.path in ADMIN_PATHS:
+            return {}
         allowed = self.cli_args.allowed_origins
         origin = request.headers.get("Origin")
         headers = {}
@@ -116,7 +125,38 @@ class Server:
         given = request.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
+    def foreign_caller(self, request: web.Request) -> Optional[str]:
+        """Why an admin request may come from another site's page (None: it
+        doesn't): a cross-origin browser request, or a Host header naming
+        neither an address nor localhost nor --host (DNS rebinding: a
+        foreign domain made to resolve to this machine)."""
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
+            return f"requests from another origin ({origin})"
+        if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+            return "cross-site requests"
+        host = (request.url.host or "").strip("[]").lower()
+        try:
+            ipaddress.ip_address(host)
+            return None
+        except ValueError:
+            pass
+        if host in ("localhost", str(self.cli_args.host).lower()):
+            return None
+        return f"requests for host {host!r}"
+
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._dispatch(request)
+        except (asyncio.CancelledError, ConnectionResetError, web.HTTPException):
+            raise
+        except Exception as e:
+            # A bug, not the client's fault: a JSON 500, never aiohttp's
+            # plain-text page or a dropped connection.
+            logging.exception(f"Unhandled error on {request.method} {request.path}")
+            return self.error(request, f"Internal server error: {type(e).__name__}: {e}", 500)
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.method == "OPTIONS":
             # CORS preflights carry no credentials: always answered.
             return web.Response(
@@ -128,6 +168,12 @@ class Server:
             response = self.error(request, "Invalid or missing API key", 401)
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
+        if request.path in ADMIN_PATHS and not getattr(self.cli_args, "api_key", None):
+            why = self.foreign_caller(request)
+            if why is not None:
+                return self.error(
+                    request, f"{request.path} refuses {why} (start the server with "
+                    "--api-key to call it from elsewhere)", 403)
         if request.method == "GET":
             if request.path.startswith("/v1/models"):
                 return await self.handle_models(request)
@@ -256,6 +302,23 @@ class Server:
         except json.JSONDecodeError as e:
             raise RequestError(f"Invalid JSON in request body: {e}") from e
 
+    async def _decode_images(self, req):
+        """Decode, scale down and fingerprint a request's images in an
+        executor: neither the event loop nor the generation thread spends
+        its time on pixels (a 40-megapixel image takes about a second)."""
+        if req.request_type != "chat" or not self.engine.serves_vision:
+            return
+        urls = [_image_url(p) for p in _image_parts(req.messages)]
+        if not urls:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            req.images = await loop.run_in_executor(
+                None, decode_images, urls, self.engine.image_max_pixels
+            )
+        except Exception as e:
+            raise RequestError(f"An image could not be decoded: {e}") from e
+
     def _vocab_size(self):
         tokenizer = self.model_provider.tokenizer
         model = self.model_provider.model
@@ -299,9 +362,11 @@ class Server:
     async def _handle_completion(self, request: web.Request, track: "_Tracker"):
         try:
             body = await self._read_body(request)
-            if getattr(self.cli_args, "allow_remote_images", False):
-                await inline_remote_images(body, self.cli_args)
             parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
+            if getattr(self.cli_args, "allow_remote_images", False):
+                # Only once the whole request validated.
+                await inline_remote_images(parsed.request, self.cli_args)
+            await self._decode_images(parsed.request)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model
@@ -340,6 +405,19 @@ class Server:
 
         try:
             first = await channel.get()
+            opened = None  # a stream opened before acceptance, for keepalives
+            while isinstance(first, tuple):
+                # Progress before acceptance (images through the vision
+                # tower): a stream gets keepalives, as during prefill.
+                if parsed.stream:
+                    opened = opened or await self._open_stream(request)
+                    await opened.write(f": keepalive {first[0]}/{first[1]}\n\n".encode())
+                first = await channel.get()
+            if isinstance(first, Exception) and opened is not None:
+                track.error = str(first)
+                await opened.write(f"data: {json.dumps({'error': str(first)})}\n\n".encode())
+                await opened.write(b"data: [DONE]\n\n")
+                return opened
             if isinstance(first, EngineUnavailable):
                 return self.unavailable(request, str(first))
             if isinstance(first, Exception):
@@ -355,7 +433,7 @@ class Server:
             track.accepted(ctx, assembler)
             if parsed.stream:
                 return await self._stream(request, channel, ctx, assembler, builder, parsed,
-                                          track)
+                                          track, opened)
             return await self._complete(request, channel, ctx, assembler, builder, track)
         finally:
             # Whatever happened (done, error, disconnect), the engine may stop.
@@ -390,7 +468,7 @@ class Server:
         )
         return self.json_response(request, resp)
 
-    async def _stream(self, request, channel, ctx, assembler, builder, parsed, track):
+    async def _open_stream(self, request) -> web.StreamResponse:
         response = web.StreamResponse(
             status=200,
             headers={
@@ -400,21 +478,40 @@ class Server:
             },
         )
         await response.prepare(request)
+        return response
+
+    async def _stream(self, request, channel, ctx, assembler, builder, parsed, track,
+                      response=None):
+        response = response or await self._open_stream(request)
 
         async def send(obj):
             await response.write(f"data: {json.dumps(obj)}\n\n".encode())
 
+        async def fail(error):
+            # Headers are gone: report in the stream, then end it.
+            logging.error(f"Generation failed mid-stream: {error}")
+            track.error = str(error)
+            await send({"error": str(error)})
+            await response.write(b"data: [DONE]\n\n")
+            return response
+
+        try:
+            return await self._stream_events(response, send, fail, channel, ctx, assembler,
+                                             builder, parsed, track)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            logging.exception("Unhandled error in a stream")
+            return await fail(f"Internal server error: {type(e).__name__}: {e}")
+
+    async def _stream_events(self, response, send, fail, channel, ctx, assembler, builder,
+                             parsed, track):
         while True:
             item = await channel.get()
             if item is None:
                 break
             if isinstance(item, Exception):
-                # Headers are gone: report in the stream, then end it.
-                logging.error(f"Generation failed mid-stream: {item}")
-                track.error = str(item)
-                await send({"error": str(item)})
-                await response.write(b"data: [DONE]\n\n")
-                return response
+                return await fail(item)
             if isinstance(item, tuple):
                 done, total = item
                 await response.write(f": keepalive {done}/{total}\n\n".encode())
@@ -441,42 +538,15 @@ class Server:
         return response
 
 
-async def inline_remote_images(body, cli_args) -> None:
-    """--allow-remote-images: fetch http(s) image URLs into data URLs, each
-    within --max-image-bytes and --remote-image-timeout seconds (upstream
-    fetches any URL, unbounded, on its handler thread)."""
-    import aiohttp
-    import base64
+async def inline_remote_images(req, cli_args) -> None:
+    """--allow-remote-images: replace the http(s) image parts of a validated
+    chat request by data URLs, fetched within one deadline and byte budget
+    from allowed addresses only (see remote_images.py; upstream fetches any
+    URL, unbounded, on its handler thread)."""
+    from .remote_images import inline_remote_images as fetch_and_inline
 
-    from mlx_lm.server import _image_parts, _image_url
-
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        return  # validation answers that
-    limit = cli_args.max_image_bytes
-    timeout = aiohttp.ClientTimeout(total=cli_args.remote_image_timeout)
-    parts = [p for p in _image_parts(messages)
-             if isinstance(_image_url(p), str) and _image_url(p).startswith(("http://", "https://"))]
-    if not parts:
-        return
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for i, part in enumerate(parts):
-            url = _image_url(part)
-            try:
-                async with session.get(url) as r:
-                    if r.status != 200:
-                        raise RequestError(f"Remote image {i}: {url} answered {r.status}")
-                    data = await r.content.read(limit + 1)
-                    mime = r.content_type or "application/octet-stream"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise RequestError(f"Remote image {i}: could not fetch {url}: {e!r}") from e
-            if len(data) > limit:
-                raise RequestError(
-                    f"Remote image {i} is larger than {limit} bytes (--max-image-bytes)", 413
-                )
-            part.clear()
-            part.update(type="image_url", image_url={
-                "url": f"data:{mime};base64,{base64.b64encode(data).decode()}"})
+    if req.request_type == "chat":
+        await fetch_and_inline(req.messages, cli_args)
 
 
 class _Tracker:
@@ -531,6 +601,8 @@ class _Tracker:
 def _status_of(error: Exception) -> int:
     if isinstance(error, PromptError):
         return 400
+    if isinstance(error, InternalError):
+        return 500
     # Upstream answers 404 for anything raised before generation starts,
     # mostly a model that could not be loaded (ModelLoadError).
     return 404

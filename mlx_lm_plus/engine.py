@@ -29,6 +29,7 @@ import copy
 import gc
 import itertools
 import logging
+import os
 import pickle
 import time
 from queue import Empty, Queue
@@ -55,12 +56,17 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
 from patches import apply_all as _apply_patches
 
-from .cache import PromptStore, is_plain_kv
+from .cache import PromptStore, cache_nbytes, is_plain_kv
 from .prompt import build_prompt, split_at, template_kwargs
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
-_apply_patches()
+# Decode steps between two checks of the byte budget against the growing caches
+# of a batch (a KV buffer grows by 256 tokens at a time).
+BUDGET_EVERY = 16
+# Exit status of a process whose generation thread hung (EX_SOFTWARE): a
+# supervisor restarts it (README: systemd and launchd examples).
+HANG_EXIT_STATUS = 70
 
 
 class Channel:
@@ -105,6 +111,34 @@ class ModelLoadError(RuntimeError):
     """The requested model, adapter or draft model could not be loaded."""
 
 
+class OutOfMemory(EngineUnavailable):
+    """MLX could not allocate memory for this request (503, try again later)."""
+
+
+class InternalError(RuntimeError):
+    """Something failed that is not the client's fault (500)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An MLX allocation failure ("[metal::malloc] Unable to allocate ...",
+    "[malloc] ...", "[cuda::malloc] ...")."""
+    text = str(error)
+    return isinstance(error, (RuntimeError, MemoryError)) and (
+        isinstance(error, MemoryError) or "malloc]" in text or "Unable to allocate" in text
+    )
+
+
+def request_error(error: Exception, what: str) -> Exception:
+    """The error a request's client gets for `error`, raised while doing `what`:
+    errors of ours as they are, an allocation failure as OutOfMemory, anything
+    else as an InternalError (a 500, never a hang)."""
+    if isinstance(error, (PromptError, ModelLoadError, EngineUnavailable, InternalError)):
+        return error
+    if is_out_of_memory(error):
+        return OutOfMemory(f"Out of memory while {what}: {error}")
+    return InternalError(f"Internal error while {what}: {error!r}")
+
+
 class Engine:
     def __init__(self, model_provider, store: PromptStore):
         self.model_provider = model_provider
@@ -135,13 +169,80 @@ class Engine:
         self.metrics = None  # a metrics.Metrics, set by the app
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
         self._thread.daemon = True
+        # The watchdog (--step-timeout): what the generation thread is busy
+        # with and since when, or None while it waits for work or loads a
+        # model. A stuck MLX call can't be interrupted, so a hang ends the
+        # process (exit_process, replaced in tests) for a supervisor to
+        # restart.
+        self._busy: Optional[tuple] = None
+        self.hung = False
+        self.exit_process = os._exit
 
     @property
     def cli_args(self):
         return self.model_provider.cli_args
 
     def start(self):
+        # The upstream fixes in patches/, applied here rather than on import
+        # (idempotent; each checks it matches the installed mlx-lm).
+        _apply_patches()
         self._thread.start()
+        if getattr(self.cli_args, "step_timeout", 0):
+            Thread(target=self._watchdog, name="mlx_lm_plus-watchdog", daemon=True).start()
+
+    # -- watchdog --
+
+    def _beat(self, what: str):
+        """The generation thread starts a unit of work (a step, a chunk)."""
+        self._busy = (what, time.monotonic())
+
+    def _idle(self):
+        self._busy = None
+
+    def _watchdog(self):
+        limit = self.cli_args.step_timeout
+        while not self._stop:
+            time.sleep(min(1.0, limit / 4))
+            busy = self._busy
+            if busy is not None and time.monotonic() - busy[1] > limit:
+                self._on_hang(busy[0], time.monotonic() - busy[1])
+                return
+
+    def _on_hang(self, what: str, seconds: float):
+        """The generation thread is stuck: say so, answer everyone, exit."""
+        grace = getattr(self.cli_args, "watchdog_grace", 5.0)
+        self.hung = True
+        self.unhealthy_reason = (
+            f"generation stuck: {what} has run for {seconds:.0f} s (--step-timeout "
+            f"{self.cli_args.step_timeout:g}); the process exits in {grace:g} s"
+        )
+        logging.critical(f"Watchdog: {self.unhealthy_reason}")
+        error = EngineUnavailable(f"Generation engine unavailable: {self.unhealthy_reason}")
+        held = []
+        try:
+            batch = self._batch
+            if batch is not None:
+                held += [r["channel"] for r in list(batch.results.values())]
+            held += [r[0] for r in list(self._pending)]
+            if self._current is not None:
+                held.append(self._current)
+        except Exception:  # the stuck thread changed them under us: best effort
+            logging.exception("Watchdog: could not list every held request")
+        for channel in held:
+            channel.put(error)
+            channel.cancel()
+        self._fail_queue(error)
+        time.sleep(grace)
+        logging.critical(f"Watchdog: exiting with status {HANG_EXIT_STATUS}")
+        logging.shutdown()
+        self.exit_process(HANG_EXIT_STATUS)
+
+    def _relieve_memory(self):
+        """After an allocation failure: give back half the prompt cache and
+        MLX's buffer cache, so the next request has room."""
+        self.store.trim_to(self.store.nbytes // 2)
+        gc.collect()
+        mx.clear_cache()
 
     def _run(self):
         """The generation thread: run the loop, and restart it if it dies.
@@ -284,6 +385,8 @@ class Engine:
                 pass
         if not self._is_distributed:
             return request
+        # A collective: it waits for every rank (a dead one hangs it).
+        self._beat("sharing requests with the other ranks")
         # The channel stays on rank 0; the other ranks get a sink.
         shared = self._share_object(request[1:] if request is not None else None)
         if shared is None:
@@ -347,19 +450,32 @@ class Engine:
         )
 
     @property
+    def serves_vision(self) -> bool:
+        """Whether image requests are planned by vision.py (mlx-vlm models)."""
+        return self._vision is not None
+
+    @property
+    def image_max_pixels(self) -> Optional[int]:
+        """The most pixels the model's image processor keeps (it scales larger
+        images down), or None."""
+        vision = self._vision
+        return vision.max_pixels if vision is not None else None
+
+    @property
     def _vision(self) -> Optional[VisionSupport]:
         processor = self.model_provider.processor
         return processor if isinstance(processor, VisionSupport) else None
 
-    def _resume(self, model, plan, cache, cached):
+    def _resume(self, model, plan, cache, cached, channel):
         """A vision-language model's cache, ready for the rest of `plan`.
 
         A cached prefix may not end inside an image (its positions come out
         of the vision tower): cut back to before the image. The cache gets
         the M-RoPE delta of its end, whatever entry it came from. Then the
         images not covered yet go through the vision tower and are prefilled
-        here; the rest of the prompt is text. Returns (cache, tokens reused
-        from the store, tokens covered now).
+        here (cancellable between chunks, with progress on `channel`); the
+        rest of the prompt is text. Returns (cache, tokens reused from the
+        store, tokens covered now).
         """
         vision = self._vision
         if vision is None:
@@ -393,11 +509,26 @@ class Engine:
             cached = vision.prefill(
                 model, plan.tokens, images, cache, cached, self.cli_args.prefill_step_size,
                 checkpoints=checkpoints, on_checkpoint=store_checkpoint,
+                progress=self._prefill_progress(channel, cache),
             )
             self._observe("vision_seconds", time.perf_counter() - tic)
         return cache, reused, cached
 
+    def _prefill_progress(self, channel, cache):
+        """The callback run between prefill chunks on this thread: a beat for
+        the watchdog, a stop for a client that went away, a keepalive, and the
+        byte budget against the request's growing cache."""
+        def progress(done, total):
+            self._beat("a prefill chunk")
+            if channel.cancelled and not self._is_distributed:
+                raise _Cancelled
+            channel.put((done, total))
+            self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
+
+        return progress
+
     def _load(self, args):
+        self._idle()  # a load may take minutes: not a stuck step
         try:
             return self.model_provider.load(
                 args.model.model, args.model.adapter, args.model.draft
@@ -405,6 +536,8 @@ class Engine:
         except Exception as e:
             logging.exception("Model load failed")
             raise ModelLoadError(str(e)) from e
+        finally:
+            self._beat("admitting a request")
 
     def _fetch_cache(self, key):
         """(a private copy of the best cached prefix or None, tokens it covers)."""
@@ -468,46 +601,23 @@ class Engine:
                     request = self._pending.pop()
                 else:
                     busy = batch is not None and batch.active
+                    if not busy:
+                        self._idle()
                     request = self._next_request(timeout=None if busy else 0.1)
 
             if request is not None:
-                channel, req, args = request
-                # (Under mx.distributed every rank has already taken it; it
-                # leaves the batch at the next step instead.)
-                if channel.cancelled and not self._is_distributed:
-                    channel.removed()
-                    continue
-                batchable = self._is_batchable(req, args)
-                same_model = (
-                    batch is not None
-                    and self.model_provider.key_for(args.model) == batch.model_key
-                )
-                if same_model and batchable:
-                    try:
-                        batch.insert(channel, req, args)
-                    except Exception as e:
-                        # Whatever slipped past validation fails this
-                        # request only.
-                        logging.exception("Could not add the request to the batch")
-                        channel.put(e)
-                elif batch is None:
-                    try:
-                        model, tokenizer = self._load(args)
-                    except ModelLoadError as e:
-                        channel.put(e)
-                        continue
-                    if not batchable:
-                        self._current = channel
-                        self._serve_single(channel, req, args, stream)
-                        self._current = None
-                        continue
-                    self._batch = _Batch(self, model, tokenizer, stream)
-                    self._pending.append(request)
-                else:
-                    # A different model or a sequential request: finish the
-                    # running batch first.
-                    drain = True
-                    self._pending.append(request)
+                self._beat("admitting a request")
+                try:
+                    drain = self._admit(request, stream) or drain
+                except Exception as e:
+                    # Whatever slipped past validation fails this request
+                    # only, and it is answered.
+                    logging.exception("Could not admit a request")
+                    self._forget(request[0])
+                    error = request_error(e, "admitting the request")
+                    if isinstance(error, OutOfMemory):
+                        self._relieve_memory()
+                    request[0].put(error)
                 continue
 
             if batch is None:
@@ -521,15 +631,60 @@ class Engine:
 
             if self._is_distributed:
                 for _ in self._time_budget:
+                    self._beat("a batch step")
                     if not batch.step():
                         break
             else:
+                self._beat("a batch step")
                 batch.step()
 
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
         self.model_provider.reset()
         gc.collect()
+
+    def _admit(self, request, stream) -> bool:
+        """Place a request taken off the queue: into the running batch, a new
+        batch, or the sequential path. Returns whether the running batch must
+        drain first (another model, or a sequential request)."""
+        channel, req, args = request
+        # (Under mx.distributed every rank has already taken it; it leaves
+        # the batch at the next step instead.)
+        if channel.cancelled and not self._is_distributed:
+            channel.removed()
+            return False
+        batch = self._batch
+        batchable = self._is_batchable(req, args)
+        same_model = (
+            batch is not None and self.model_provider.key_for(args.model) == batch.model_key
+        )
+        if same_model and batchable:
+            batch.insert(channel, req, args)
+            return False
+        if batch is not None:
+            self._pending.append(request)
+            return True
+        try:
+            model, tokenizer = self._load(args)
+        except ModelLoadError as e:
+            channel.put(e)
+            return False
+        if not batchable:
+            self._current = channel
+            try:
+                self._serve_single(channel, req, args, stream)
+            finally:
+                self._current = None
+            return False
+        self._batch = _Batch(self, model, tokenizer, stream)
+        self._pending.append(request)
+        return False
+
+    def _forget(self, channel):
+        """Drop every reference the generation thread holds to `channel`."""
+        self._pending = [r for r in self._pending if r[0] is not channel]
+        if self._current is channel:
+            self._current = None
 
     def _serve_single(self, channel, request, args, stream):
         """Sequential path: seed, draft model, --kv-bits, images."""
@@ -549,7 +704,7 @@ class Engine:
             covered = ctx.prompt_cache_count
             if self._vision is not None:
                 cache, ctx.prompt_cache_count, covered = self._resume(
-                    model, plan, cache, covered
+                    model, plan, cache, covered, channel
                 )
             rest = plan.tokens[covered:]
             if cache is None:
@@ -558,12 +713,7 @@ class Engine:
                     cache += make_prompt_cache(draft_model)
             channel.put(ctx)
 
-            def progress(done, total):
-                # Called between prefill chunks: a client that went away
-                # stops the prefill there.
-                if channel.cancelled and not self._is_distributed:
-                    raise _Cancelled
-                channel.put((done, total))
+            progress = self._prefill_progress(channel, cache)
 
             if draft_model is None and (plan.vision is None or self._vision is not None):
                 rest = self._prefill_checkpoints(model, cache, plan, covered, progress)
@@ -612,9 +762,13 @@ class Engine:
                     )
                 )
                 cache_key.append(gen.token)
+                self._beat("a decode step")
                 # Ranks other than 0 can't see the client, so under
                 # mx.distributed the request runs to its end, as upstream.
                 self.steps += 1
+                if self.steps % BUDGET_EVERY == 0:
+                    # The budget covers this request's growing cache too.
+                    self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
                 gone = ctx._should_stop or channel.cancelled
                 if (gone and not self._is_distributed) or finish_reason is not None:
                     break
@@ -635,7 +789,11 @@ class Engine:
             )
         except Exception as e:
             logging.exception("Sequential generation failed")
-            channel.put(e)
+            error = request_error(e, "generating")
+            if isinstance(error, OutOfMemory):
+                cache = None
+                self._relieve_memory()
+            channel.put(error)
 
 
     def _prefill_checkpoints(self, model, cache, plan, cached, progress):
@@ -708,29 +866,31 @@ class _Batch:
             # the cache covers them); the batch takes the text after them.
             try:
                 cache, ctx.prompt_cache_count, cached = engine._resume(
-                    self.model, plan, cache, cached
+                    self.model, plan, cache, cached, channel
                 )
+            except _Cancelled:
+                channel.removed()
+                logging.info("Stopped the image prefill of a cancelled request")
+                return
             except Exception as e:
                 logging.exception("Image prefill failed")
+                if is_out_of_memory(e):
+                    raise  # the admission guard answers 503
                 channel.put(PromptError(f"Could not process the images: {e}"))
                 return
         segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
         if not self.keep_checkpoints:
             segments, segment_types = [sum(segments, [])], ["prompt"]
-        try:
-            (uid,) = self.generator.insert_segments(
-                segments=[segments],
-                max_tokens=[args.max_tokens],
-                caches=[cache],
-                all_tokens=[plan.tokens[:cached]],
-                samplers=[_make_sampler(args, tokenizer)],
-                logits_processors=[_make_logits_processors(args)],
-                stop_sequences=[stop_sequences],
-            )
-        except Exception as e:
-            logging.exception("Could not insert the request into the batch")
-            channel.put(e)
-            return
+        # (An error here is answered by the engine's admission guard.)
+        (uid,) = self.generator.insert_segments(
+            segments=[segments],
+            max_tokens=[args.max_tokens],
+            caches=[cache],
+            all_tokens=[plan.tokens[:cached]],
+            samplers=[_make_sampler(args, tokenizer)],
+            logits_processors=[_make_logits_processors(args)],
+            stop_sequences=[stop_sequences],
+        )
         channel.put(ctx)
         self.results[uid] = {
             "ctx": ctx,
@@ -747,53 +907,57 @@ class _Batch:
         }
         del cache
 
-        # The budget covers the caches in flight too (as upstream's
-        # --prompt-cache-bytes does).
-        engine.store.trim_to(engine.store.max_bytes - self.generator.prompt_cache_nbytes)
-
     def step(self) -> bool:
         """One BatchGenerator step. Returns whether it did any work.
 
-        Anything raised inside fails the requests of this batch, not the
-        generation thread.
+        Anything raised inside, removing cancelled requests included, fails
+        the requests of this batch, not the generation thread.
         """
+        try:
+            self._remove_stopped()
+            return self._step()
+        except Exception as e:
+            self._fail_all(e)
+            return False
+
+    def _remove_stopped(self):
+        """Clients that went away leave the batch wherever they are."""
         engine = self.engine
-        # Clients that went away leave the batch wherever they are.
         stopped = [
             uid
             for uid, r in self.results.items()
             if r["ctx"]._should_stop or r["channel"].cancelled
         ]
         stopped = engine._share_object(stopped)
-        if stopped:
-            # Work done for a request in decode stays useful: its cache covers
-            # its prompt and the tokens generated so far, as at a normal end.
-            decoding = [uid for uid in stopped if self.results[uid]["decoding"]]
-            kept = self.generator.remove(stopped, return_prompt_caches=True)
-            for uid in decoding:
+        if not stopped:
+            return
+        # Work done for a request in decode stays useful: its cache covers
+        # its prompt and the tokens generated so far, as at a normal end.
+        decoding = [uid for uid in stopped if self.results[uid]["decoding"]]
+        kept = self.generator.remove(stopped, return_prompt_caches=True)
+        waits = []
+        for uid in stopped:
+            if uid in decoding:
                 cache, tokens = kept[uid]
-                engine.store.insert(self.model_key, self._key(uid, tokens), cache, "generated")
-            del kept
-            waits = []
-            for uid in stopped:
-                result = self.results.pop(uid, None)
-                if result is None:
-                    continue
-                channel = result["channel"]
-                channel.removed()
-                if channel.cancelled_at is not None:
-                    waits.append(channel.removed_at - channel.cancelled_at)
-                    engine._observe("removal_seconds", waits[-1])
-            logging.info(
-                f"Removed {len(stopped)} cancelled request(s) from the batch"
-                + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")
-            )
-
-        try:
-            return self._step()
-        except Exception as e:
-            self._fail_all(e)
-            return False
+                try:
+                    engine.store.insert(self.model_key, self._key(uid, tokens), cache,
+                                        "generated")
+                except Exception:
+                    # Only this cancelled request's entry is lost.
+                    logging.exception("Could not store a cancelled request's cache")
+            result = self.results.pop(uid, None)
+            if result is None:
+                continue
+            channel = result["channel"]
+            channel.removed()
+            if channel.cancelled_at is not None:
+                waits.append(channel.removed_at - channel.cancelled_at)
+                engine._observe("removal_seconds", waits[-1])
+        del kept
+        logging.info(
+            f"Removed {len(stopped)} cancelled request(s) from the batch"
+            + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")
+        )
 
     def _step(self) -> bool:
         engine = self.engine
@@ -801,6 +965,9 @@ class _Batch:
         prompt_responses, gen_responses = self.generator.next()
         if not prompt_responses and not gen_responses:
             return False
+        if prompt_responses or engine.steps % BUDGET_EVERY == 0:
+            # Prefill allocates, and decode grows the caches a little per step.
+            self.enforce_budget()
 
         for r in prompt_responses:
             self.results[r.uid]["channel"].put(r.progress)
@@ -856,6 +1023,7 @@ class _Batch:
     def _fail_all(self, error: Exception):
         """A step raised: fail the requests in flight and start a fresh batch."""
         logging.exception(f"Batch step failed, failing {len(self.results)} requests")
+        error = request_error(error, "generating")
         for result in self.results.values():
             result["channel"].put(error)
         self.results.clear()
@@ -863,7 +1031,26 @@ class _Batch:
             self.generator.close()
         except Exception:
             pass
+        if isinstance(error, OutOfMemory):
+            self.engine._relieve_memory()
         self._new_generator()
+
+    def owned_nbytes(self) -> int:
+        """Bytes of the caches this batch holds: those being prefilled and
+        decoded. Requests still queued in the generator hold copies of stored
+        entries, which share the store's buffers (MLX arrays are immutable),
+        so counting them would count the same memory twice."""
+        g = self.generator
+        return sum(c.nbytes for c in g._prompt_batch.prompt_cache) + sum(
+            c.nbytes for c in g._generation_batch.prompt_cache
+        )
+
+    def enforce_budget(self):
+        """The prompt cache's byte budget covers the caches in flight too (as
+        upstream's --prompt-cache-bytes does): the store gives way as they
+        grow."""
+        store = self.engine.store
+        store.trim_to(store.max_bytes - self.owned_nbytes())
 
 
 def _format_top_logprobs(logprobs, top_n, tokenizer):

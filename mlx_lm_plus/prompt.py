@@ -77,7 +77,7 @@ def build_prompt(
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
         )
-        tokens, vision = processor.prepare(text, urls)
+        tokens, vision = processor.prepare(text, urls, getattr(request, "images", None))
         boundaries = image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs)
         return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), vision)
     if urls:

@@ -30,6 +30,9 @@ OUR_FLAGS = (
     "--max-queued-requests",
     "--shutdown-timeout",
     "--disable-metrics",
+    "--allow-private-image-hosts",
+    "--step-timeout",
+    "--watchdog-grace",
 )
 
 
@@ -258,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote-image-timeout",
         type=float,
         default=10.0,
-        help="(mlx_lm_plus) Seconds to fetch one remote image (default: 10)",
+        help="(mlx_lm_plus) Seconds to fetch all the remote images of one request, "
+        "together, redirects included (default: 10)",
     )
     parser.add_argument(
         "--max-tokens-ceiling",
@@ -282,10 +286,35 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGTERM/SIGINT before they are cancelled (default: 10)",
     )
     parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="(mlx_lm_plus) Seconds one generation step (a batch step, a prefill "
+        "chunk, a vision tower call) may take before the server is declared "
+        "stuck: /health turns 503, waiting requests get 503, and the process "
+        "exits with status 70 for a supervisor to restart it (default: 300; "
+        "0: no watchdog)",
+    )
+    parser.add_argument(
+        "--watchdog-grace",
+        type=float,
+        default=5.0,
+        help="(mlx_lm_plus) Seconds between a stuck step being detected and the "
+        "process exiting, for clients to get their answers (default: 5)",
+    )
+    parser.add_argument(
         "--disable-metrics",
         action="store_true",
         help="(mlx_lm_plus) Turn off /metrics, the request history of /v1/stats "
         "and the per-request log line (default: on)",
+    )
+    parser.add_argument(
+        "--allow-private-image-hosts",
+        action="store_true",
+        help="(mlx_lm_plus) With --allow-remote-images, also fetch from private, "
+        "loopback, link-local and other non-global addresses: this lets any "
+        "client make the server read from its own machine and network (local "
+        "services, cloud metadata endpoints) (default: only global addresses)",
     )
     return parser
 

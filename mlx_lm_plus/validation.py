@@ -10,7 +10,7 @@ import base64
 import binascii
 import io
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from mlx_lm.server import (
     CompletionRequest,
@@ -32,8 +32,17 @@ class RequestError(ValueError):
 
 
 @dataclass
+class Request(CompletionRequest):
+    """Upstream's CompletionRequest, plus its images decoded and fingerprinted
+    before it reaches the engine (vision.DecodedImage, in the order of the
+    messages' image parts; None: not decoded yet)."""
+
+    images: Optional[List[Any]] = None
+
+
+@dataclass
 class ParsedRequest:
-    request: CompletionRequest
+    request: Request
     args: GenerationArguments
     stream: bool
     stream_options: Optional[Dict[str, Any]]
@@ -124,6 +133,10 @@ def _validate_upstream(p: Dict[str, Any]) -> None:
 
 def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
     """Checks upstream lacks, for values that crash its generation thread."""
+    if not isinstance(p["requested_draft_model"], str):
+        # Upstream never checks it; the model lookup then raises on whatever
+        # thread it runs (a hang with --allow-model-loading).
+        raise RequestError("draft_model must be of type str")
     options = p["stream_options"]
     if options is not None:
         if not isinstance(options, dict):
@@ -167,7 +180,10 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
     Only the image header is read here (PIL opens lazily), so a
     decompression bomb is refused before anything is decoded. Upstream
     fetches http(s) URLs from the server, which lets any client make the
-    server read arbitrary URLs; we refuse them.
+    server read arbitrary URLs; we refuse them, unless --allow-remote-images:
+    then they count towards --max-images here, and are fetched only once the
+    whole request has validated, then checked like data URLs
+    (remote_images.py).
     """
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -184,6 +200,8 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
         if not isinstance(url, str):
             raise RequestError(f"Image {i}: the url must be a string")
         if url.startswith(("http://", "https://")):
+            if getattr(cli, "allow_remote_images", False):
+                continue
             raise RequestError(
                 f"Image {i}: remote image URLs are not fetched by this server; "
                 "send the image as a data URL (data:image/png;base64,...), or start "
@@ -224,7 +242,7 @@ def _stop_words(body):
     return [s for s in stop if s]
 
 
-def _completion_request(path: str, body: Dict[str, Any]) -> CompletionRequest:
+def _completion_request(path: str, body: Dict[str, Any]) -> Request:
     if path == "/v1/completions":
         if "prompt" not in body:
             raise RequestError("Request did not contain a prompt")
@@ -233,7 +251,7 @@ def _completion_request(path: str, body: Dict[str, Any]) -> CompletionRequest:
             raise RequestError("prompt must be of type str")
         if not prompt:
             raise RequestError("prompt must not be empty")
-        return CompletionRequest("text", prompt, [], None, None)
+        return Request("text", prompt, [], None, None)
 
     if "messages" not in body:
         raise RequestError("Request did not contain messages")
@@ -255,7 +273,12 @@ def _completion_request(path: str, body: Dict[str, Any]) -> CompletionRequest:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise RequestError(f"tools[{i}] must be an object with a function that has a name")
-    return CompletionRequest("chat", "", messages, tools, body.get("role_mapping"))
+    role_mapping = body.get("role_mapping")
+    if role_mapping is not None and not (
+        isinstance(role_mapping, dict) and all(isinstance(v, str) for v in role_mapping.values())
+    ):
+        raise RequestError("role_mapping must be an object of strings")
+    return Request("chat", "", messages, tools, role_mapping)
 
 
 def parse_request(

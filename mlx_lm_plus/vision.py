@@ -33,7 +33,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -226,14 +226,38 @@ def _rope_delta(cache):
 # -- prompts with images --
 
 
-def decode_image(url: str):
-    """A PIL RGB image from a data URL (validation already checked it)."""
+def decode_image(url: str, max_pixels: Optional[int] = None):
+    """A PIL RGB image from a data URL (validation already checked it),
+    scaled down to at most `max_pixels` (the model's processor would scale it
+    down to that anyway; doing it here bounds what a request holds)."""
     from PIL import Image
 
     data = base64.b64decode(url.partition(",")[2])
     with Image.open(io.BytesIO(data)) as image:
         image.seek(0)  # GIF: the first frame
+        width, height = image.size
+        if max_pixels and width * height > max_pixels:
+            scale = (max_pixels / (width * height)) ** 0.5
+            size = (max(1, int(width * scale)), max(1, int(height * scale)))
+            image.draft("RGB", size)  # JPEG: decode at a reduced scale
+            return image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
         return image.convert("RGB")
+
+
+@dataclass
+class DecodedImage:
+    image: Any  # PIL RGB
+    fingerprint: int
+
+
+def decode_images(urls: List[str], max_pixels: Optional[int] = None) -> List[DecodedImage]:
+    """Decode and fingerprint a request's images: CPU work done before the
+    request reaches the generation thread (the API runs it in an executor)."""
+    decoded = []
+    for url in urls:
+        image = decode_image(url, max_pixels)
+        decoded.append(DecodedImage(image, fingerprint(image)))
+    return decoded
 
 
 def fingerprint(image) -> int:
@@ -297,11 +321,23 @@ class VisionSupport:
         self.calls = 0  # images through the vision tower (tests and metrics)
         self.hits = 0  # images a cached prefix covered (the tower skipped)
 
-    def prepare(self, prompt_text: str, urls: List[str]) -> Tuple[List[int], VisionPrompt]:
+    @property
+    def max_pixels(self) -> Optional[int]:
+        """The most pixels the processor passes on (it scales larger images
+        down), or None."""
+        value = getattr(getattr(self.processor, "image_processor", None), "max_pixels", None)
+        return value if isinstance(value, int) and value > 0 else None
+
+    def prepare(self, prompt_text: str, urls: List[str],
+                decoded: Optional[List[DecodedImage]] = None
+                ) -> Tuple[List[int], VisionPrompt]:
         """Token ids of a rendered prompt with its images expanded, and where
-        the images are."""
-        images = [decode_image(u) for u in urls]
-        fingerprints = [fingerprint(im) for im in images]
+        the images are. `decoded`: the images already decoded (by the API, off
+        the generation thread); else they are decoded here."""
+        if decoded is None or len(decoded) != len(urls):
+            decoded = decode_images(urls, self.max_pixels)
+        images = [d.image for d in decoded]
+        fingerprints = [d.fingerprint for d in decoded]
         inputs = self.processor(text=[prompt_text], images=images, padding=False,
                                 return_tensors="mlx")
         tokens = mx.array(inputs["input_ids"])[0].tolist()
@@ -338,7 +374,8 @@ class VisionSupport:
         return tokens, VisionPrompt(spans, key)
 
     def prefill(self, text_model, tokens: List[int], vision: VisionPrompt, cache: List[Any],
-                cached: int, step: int, checkpoints=(), on_checkpoint=None) -> int:
+                cached: int, step: int, checkpoints=(), on_checkpoint=None,
+                progress=None) -> int:
         """Prefill tokens[cached:end of the last image] into `cache` with the
         vision tower on the images not cached yet. Returns the new cached count.
 
@@ -346,12 +383,16 @@ class VisionSupport:
         stretch alone, shifted to where it starts (M-RoPE positions are
         shift-invariant), so the images before it need not be seen again.
         Chunks of `step` tokens also end at each of `checkpoints` inside the
-        stretch, where `on_checkpoint(position)` is called.
+        stretch, where `on_checkpoint(position)` is called. `progress(done,
+        total)` is called before the vision tower and after each chunk (it
+        may raise to stop the prefill there).
         """
         end = vision.end_of_images()
         if cached >= end:
             return cached
         todo = [img for img in vision.images if img.start >= cached]
+        progress = progress or (lambda done, total: None)
+        progress(cached, len(tokens))
         ids = mx.array(tokens[cached:end])[None]
         pixel_values = mx.concatenate([img.pixel_values for img in todo], axis=0)
         grid = mx.array([img.grid for img in todo])
@@ -382,6 +423,7 @@ class VisionSupport:
             mx.eval([c.state for c in cache])
             if cached + j in checkpoints:
                 on_checkpoint(cached + j)
+            progress(cached + j, len(tokens))
         set_rope_delta(cache, vision.delta_at(end))
         return end
 

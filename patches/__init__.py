@@ -1,8 +1,13 @@
 """Fixes to upstream mlx-lm 0.32.2 behaviour, one module per bug.
 
-Each module has `apply()` (idempotent) and `revert()`, and a test in
-tests/test_patches.py that fails without it. `apply_all()` runs at import of
-mlx_lm_plus.engine.
+Each module replaces one upstream function through a `_guard.Patch`, which
+checks that the function in place is 0.32.2's (a hash of its source) and
+otherwise logs a warning and leaves it alone. Each has `apply()` (idempotent;
+True if the patch is in place) and `revert()`, and a test in
+tests/test_patches.py that fails without it.
+
+Nothing is patched on import: `Engine.start()` calls `apply_all()`, and so
+must any other code that runs these models without an engine.
 """
 
 from . import jamba_padding, mamba_padding, nemotron_h_ssm_lengths, olmo_hybrid_conv_padding
@@ -16,5 +21,8 @@ PATCHES = [
 
 
 def apply_all():
-    for patch in PATCHES:
-        patch.apply()
+    """Apply every patch that matches the installed mlx-lm; idempotent.
+
+    Returns {patch module name: applied}.
+    """
+    return {patch.PATCH.name: patch.apply() for patch in PATCHES}

@@ -12,10 +12,10 @@ import mlx.nn as nn
 from mlx_lm.models import jamba
 from mlx_lm.models.activations import swiglu
 
+from ._guard import Patch
 from ._padding import hold_padded, mixer_inputs, store
 
 _Mixer = jamba.JambaMambaMixer
-ORIGINAL = _Mixer.__call__
 
 
 def __call__(self, x, cache):
@@ -43,9 +43,12 @@ def __call__(self, x, cache):
     return out
 
 
-def apply():
-    _Mixer.__call__ = __call__
-
-
-def revert():
-    _Mixer.__call__ = ORIGINAL
+# _Mixer.__call__ is replaced if its source is 0.32.2's (sha256 of inspect.getsource).
+PATCH = Patch(
+    __name__,
+    _Mixer,
+    "__call__",
+    sha256="43e7cd73cb997d506661372b568cf46ba7b3f577aac29135b7d8f8573f26e64f",
+    replacement=__call__,
+)
+apply, revert = PATCH.apply, PATCH.revert

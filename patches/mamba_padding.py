@@ -14,10 +14,10 @@ import mlx.core as mx
 from mlx_lm.models import mamba
 from mlx_lm.models.activations import swiglu
 
+from ._guard import Patch
 from ._padding import hold_padded, mixer_inputs, store
 
 _Block = mamba.MambaBlock
-ORIGINAL = _Block.__call__
 
 
 def __call__(self, x, cache):
@@ -33,9 +33,12 @@ def __call__(self, x, cache):
     return out
 
 
-def apply():
-    _Block.__call__ = __call__
-
-
-def revert():
-    _Block.__call__ = ORIGINAL
+# _Block.__call__ is replaced if its source is 0.32.2's (sha256 of inspect.getsource).
+PATCH = Patch(
+    __name__,
+    _Block,
+    "__call__",
+    sha256="d02561af881d636abd6da3bdcc26afc5385cf1d89e05646b36a127b31a948f35",
+    replacement=__call__,
+)
+apply, revert = PATCH.apply, PATCH.revert

@@ -12,8 +12,9 @@ as mamba2 does. (Its `_conv` already honours them.)
 from mlx_lm.models import nemotron_h
 from mlx_lm.models.ssm import ssm_update
 
+from ._guard import Patch
+
 _Mixer = nemotron_h.NemotronHMamba2Mixer
-ORIGINAL = _Mixer._ssm
 
 
 def _ssm(self, hidden_states, B, C, dt, cache, mask):
@@ -40,9 +41,12 @@ def _ssm(self, hidden_states, B, C, dt, cache, mask):
     return y.reshape(batch_size, seq_len, self.intermediate_size)
 
 
-def apply():
-    _Mixer._ssm = _ssm
-
-
-def revert():
-    _Mixer._ssm = ORIGINAL
+# _Mixer._ssm is replaced if its source is 0.32.2's (sha256 of inspect.getsource).
+PATCH = Patch(
+    __name__,
+    _Mixer,
+    "_ssm",
+    sha256="128a6221b8e1087cf09f211d0a1326b18ab440530e2085fbafbd871bf649ac0b",
+    replacement=_ssm,
+)
+apply, revert = PATCH.apply, PATCH.revert

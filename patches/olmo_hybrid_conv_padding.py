@@ -10,10 +10,10 @@ same for olmo_hybrid's three q/k/v convolutions.
 
 from mlx_lm.models import olmo_hybrid
 
+from ._guard import Patch
 from ._padding import batch_mask, padded_conv
 
 _Net = olmo_hybrid.GatedDeltaNet
-ORIGINAL = _Net._apply_conv1d
 
 
 def _apply_conv1d(self, x, conv, conv_state, cache_slot, slot_idx):
@@ -24,9 +24,12 @@ def _apply_conv1d(self, x, conv, conv_state, cache_slot, slot_idx):
     return out
 
 
-def apply():
-    _Net._apply_conv1d = _apply_conv1d
-
-
-def revert():
-    _Net._apply_conv1d = ORIGINAL
+# _Net._apply_conv1d is replaced if its source is 0.32.2's (sha256 of inspect.getsource).
+PATCH = Patch(
+    __name__,
+    _Net,
+    "_apply_conv1d",
+    sha256="8eea8a5ce6f12c81c9ef6103347064db02f2cc50f00df4e599c3fae9ab5685a8",
+    replacement=_apply_conv1d,
+)
+apply, revert = PATCH.apply, PATCH.revert

@@ -113,7 +113,15 @@ CASES = [
     (CHAT, b""),
     (CHAT, b"\xff\xfe\x00{"),
     (TEXT, b'{"prompt": "x", "max_tokens": }'),
+    # fields that reach the model lookup or the template unchecked upstream
+    *[(CHAT, chat(**{field: value})) for field, value in [
+        ("draft_model", []), ("draft_model", {"a": 1}), ("draft_model", 5),
+        ("role_mapping", 5), ("role_mapping", {"user": [1]}),
+    ]],
 ]
+
+# Cases that reach model loading with --allow-model-loading.
+LOADING_CASES = [(CHAT, chat(draft_model=value)) for value in ([], {"a": 1}, 5, None)]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +129,22 @@ def server(fixture_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("bad") / "server.log"
     with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))], log=log) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def loading_server(fixture_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bad") / "server.log"
+    argv = ["--model", str(fixture_path("qwen3")), "--allow-model-loading"]
+    with ServerProcess(OURS, argv, log=log) as s:
+        yield s
+
+
+@pytest.mark.parametrize("path,body", LOADING_CASES)
+def test_bad_model_fields_with_model_loading(loading_server, path, body):
+    """With --allow-model-loading, `draft_model: []` used to crash the
+    generation loop and leave its own request waiting forever."""
+    test_bad_request_is_4xx_and_harmless(loading_server, path, body)
+    assert loading_server.get("/v1/stats")[1]["engine"]["restarts"] == 0
 
 
 def test_corpus_is_large():
@@ -160,6 +184,29 @@ def test_an_error_inside_the_engine_fails_only_that_request(fixture_path):
             bad.result(timeout=30)
         assert good.result(timeout=30)[0]
         assert runner.engine.is_healthy
+        assert len(runner.run(chat())[0]) == 2
+    finally:
+        runner.close()
+
+
+def test_a_request_that_breaks_admission_is_answered(fixture_path):
+    """A value that raises in the engine's model lookup (an unhashable
+    draft_model, as if validation had missed it) is answered with a 500
+    InternalError; the loop neither crashes nor restarts."""
+    from mlx_lm_plus.engine import InternalError
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect, EngineRunner
+
+    runner = EngineRunner(fixture_path("qwen3"), argv=["--allow-model-loading"])
+    try:
+        assert runner.run(chat())[0]
+        parsed = parse_request(CHAT, chat(), runner.args)
+        parsed.args.model.draft = []
+        bad = Collect()
+        runner.engine.submit(bad, parsed.request, parsed.args)
+        with pytest.raises(InternalError, match="unhashable"):
+            bad.result(timeout=30)
+        assert runner.engine.restarts == 0 and runner.engine.is_healthy
         assert len(runner.run(chat())[0]) == 2
     finally:
         runner.close()

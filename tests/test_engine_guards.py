@@ -1,0 +1,152 @@
+"""Failures inside the generation thread fail one request, never the loop;
+the byte budget holds on every path; an allocation failure is a 503.
+
+(Found in review: removal of cancelled requests ran outside the step's guard;
+the budget was enforced only when a request joined the batch; an MLX
+allocation failure crashed the loop.)
+"""
+
+import time
+
+import pytest
+from mlx_lm.server import Response
+
+from mlx_lm_plus import engine as engine_module
+from mlx_lm_plus.engine import InternalError, OutOfMemory
+from tests.engine_harness import EngineRunner
+
+LONG = " ".join(f"Line {i} is about trains, stations and tickets." for i in range(30))
+
+
+def chat(text, **kw):
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+def wait_tokens(channel, n, timeout=60):
+    deadline, got = time.monotonic() + timeout, 0
+    while got < n:
+        item = channel.items.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert not isinstance(item, Exception), item
+        got += isinstance(item, Response)
+
+
+@pytest.fixture
+def runner(fixture_path):
+    r = EngineRunner(fixture_path("qwen3"))
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("fault", ["store", "remove"])
+def test_a_fault_while_removing_a_cancelled_request_spares_the_loop(runner, monkeypatch, fault):
+    engine = runner.engine
+    assert runner.run(chat("warm up", max_tokens=4))[0]
+    doomed = runner.submit(chat(LONG, max_tokens=5000))
+    other = runner.submit(chat("Another question", max_tokens=40))
+    wait_tokens(doomed, 3)
+
+    target = runner.store if fault == "store" else engine._batch.generator
+    name = "insert" if fault == "store" else "remove"
+    real = getattr(target, name)
+    fired = []
+
+    def broken(*a, **kw):
+        if fired:
+            return real(*a, **kw)
+        fired.append(True)  # once: the cancelled request's removal
+        raise RuntimeError(f"injected {fault} fault")
+
+    monkeypatch.setattr(target, name, broken)
+    doomed.cancel()
+    if fault == "store":
+        # Only the cancelled request's cache entry is lost.
+        assert len(other.result()[0]) == 40
+    else:
+        # The batch's state is unknown after a failed removal: its requests
+        # fail with an answer, the loop goes on.
+        with pytest.raises(InternalError, match="injected remove fault"):
+            other.result()
+    monkeypatch.undo()
+    assert engine.restarts == 0 and engine.is_healthy
+    assert len(runner.run(chat("after", max_tokens=5))[0]) == 5
+
+
+@pytest.mark.parametrize("path", ["batched", "sequential"])
+def test_budget_covers_caches_growing_in_decode(fixture_path, path):
+    """An entry stored before a long generation gives way while that
+    generation's cache grows, not only when something is inserted."""
+    runner = EngineRunner(fixture_path("qwen3"))
+    try:
+        runner.run(chat("First, a short one.", max_tokens=2))
+        (first,) = runner.store.entries()
+        # Room for that entry and the KV buffer of a ~70-token prompt resumed
+        # from a copy of it (the copy's tokens plus a 256-token step), not
+        # for the extra 256-token step that 300 generated tokens take.
+        per_token = first.nbytes / len(first.key)
+        runner.store.max_bytes = (
+            runner.store.nbytes + int((256 + len(first.key)) * per_token) + 1024)
+        seen = {}
+        real_insert = runner.store.insert
+
+        def insert(model, key, cache, kind="prompt"):
+            if kind == "generated" and "at_end" not in seen:
+                seen["at_end"] = first in runner.store.entries()
+            return real_insert(model, key, cache, kind)
+
+        runner.store.insert = insert
+        body = chat("A different, long question " * 8, max_tokens=300)
+        if path == "sequential":
+            body["seed"] = 3
+        tokens, _, _ = runner.run(body)
+        assert len(tokens) == 300
+        assert seen["at_end"] is False, "the old entry outlived the budget during decode"
+        assert runner.store.stats["evicted"] >= 1
+    finally:
+        runner.close()
+
+
+def test_queued_copies_of_stored_entries_are_not_counted(runner):
+    """A fetched entry shares its buffers with the stored one (MLX arrays are
+    immutable), so a request waiting in the generator holds no new memory."""
+    from mlx_lm.generate import BatchGenerator
+
+    runner.run(chat(LONG, max_tokens=2))
+    engine = runner.engine
+    (entry,) = runner.store.entries()
+    fetched = runner.store.fetch(runner.provider.model_key, list(entry.key) + [5, 6])
+    assert fetched.cache is not None
+    batch = engine_module._Batch.__new__(engine_module._Batch)
+    batch.generator = BatchGenerator(runner.provider.model)
+    batch.generator.insert_segments(segments=[[[5, 6]]], max_tokens=[1],
+                                    caches=[fetched.cache],
+                                    all_tokens=[list(entry.key)])
+    assert batch.generator.prompt_cache_nbytes >= entry.nbytes  # upstream's count
+    assert batch.owned_nbytes() == 0
+    batch.generator.close()
+
+
+@pytest.mark.parametrize("path", ["batched", "sequential"])
+def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path):
+    """An MLX allocation failure (Metal's text) in a step fails the requests of
+    that step with OutOfMemory (503), frees memory, and the loop goes on."""
+    engine = runner.engine
+    assert runner.run(chat("warm up", max_tokens=4))[0]
+    model = runner.provider.model
+    real_call = type(model).__call__
+    armed = {"on": True}
+
+    def failing(self, *a, **kw):
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("[metal::malloc] Unable to allocate 68719476736 bytes.")
+        return real_call(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "__call__", failing)
+    body = chat("This one runs out of memory", max_tokens=4)
+    if path == "sequential":
+        body["seed"] = 1
+    with pytest.raises(OutOfMemory, match="Unable to allocate"):
+        runner.run(body)
+    monkeypatch.undo()
+    assert engine.restarts == 0 and engine.is_healthy
+    assert len(runner.run(chat("and this one does not", max_tokens=4))[0]) == 4
