@@ -452,7 +452,7 @@ class Engine:
     @property
     def serves_vision(self) -> bool:
         """Whether image requests are planned by vision.py (mlx-vlm models)."""
-        return self._vision is not None
+        return self._vision is not None or self.model_provider.default_is_vision
 
     @property
     def image_max_pixels(self) -> Optional[int]:

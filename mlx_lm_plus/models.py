@@ -37,6 +37,9 @@ class ModelProvider(UpstreamModelProvider):
     def __init__(self, cli_args):
         super().__init__(cli_args)
         model = cli_args.model
+        # Known before the model is loaded (on the generation thread), so the
+        # API can prepare images for it from the first request on.
+        self.default_is_vision = model is not None and is_vision_model(model)
         if model is not None:
             aliases = {model}
             if Path(model).exists():

@@ -33,6 +33,7 @@ OUR_FLAGS = (
     "--allow-private-image-hosts",
     "--step-timeout",
     "--watchdog-grace",
+    "--max-request-image-pixels",
 )
 
 
@@ -284,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="(mlx_lm_plus) Seconds running requests get to finish on "
         "SIGTERM/SIGINT before they are cancelled (default: 10)",
+    )
+    parser.add_argument(
+        "--max-request-image-pixels",
+        type=int,
+        default=100_000_000,
+        help="(mlx_lm_plus) Most pixels of all the images of one request together, "
+        "checked before decoding (default: 100,000,000)",
     )
     parser.add_argument(
         "--step-timeout",

@@ -196,6 +196,9 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
         raise RequestError(f"Too many images: {len(urls)} (at most {most}, --max-images)")
     max_bytes = getattr(cli, "max_image_bytes", None)
     max_pixels = getattr(cli, "max_image_pixels", None)
+    # All the request's images together: what decoding them holds at once.
+    budget = getattr(cli, "max_request_image_pixels", None)
+    total = 0
     for i, url in enumerate(urls):
         if not isinstance(url, str):
             raise RequestError(f"Image {i}: the url must be a string")
@@ -231,6 +234,12 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
             raise RequestError(
                 f"Image {i} has {width}x{height} pixels, more than {max_pixels} "
                 "(--max-image-pixels)"
+            )
+        total += width * height
+        if budget is not None and total > budget:
+            raise RequestError(
+                f"The images of this request have more than {budget} pixels in all "
+                "(--max-request-image-pixels)"
             )
 
 

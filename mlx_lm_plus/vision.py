@@ -28,9 +28,11 @@ different pictures never share a key past the first of them.
 """
 
 import base64
+import contextlib
 import io
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -430,17 +432,15 @@ class VisionSupport:
 
 def load_vision_model(model_path: str):
     """(TextModel, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
-    import os
-
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm import load as vlm_load
 
     # A local folder needs no hub; without this, mlx-vlm's processor loading
     # tries to download optional files it does not find and waits on the
-    # network.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    vlm, processor = vlm_load(model_path)
+    # network. Offline for this load only: other loads (--allow-model-loading
+    # of a repo name) may still download.
+    with _hub_offline():
+        vlm, processor = vlm_load(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text())
     tokenizer = load_tokenizer(Path(model_path))
     if config["model_type"] in HYBRID_VISION_MODEL_TYPES:
@@ -448,6 +448,24 @@ def load_vision_model(model_path: str):
     else:
         text_model = TextModel(vlm)
     return text_model, tokenizer, VisionSupport(vlm, processor, config)
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Hugging Face hub offline inside the block, as it was after it (the
+    environment variable, and huggingface_hub's constant, read at its import)."""
+    import huggingface_hub.constants as hub
+
+    saved_env, saved_flag = os.environ.get("HF_HUB_OFFLINE"), hub.HF_HUB_OFFLINE
+    os.environ["HF_HUB_OFFLINE"], hub.HF_HUB_OFFLINE = "1", True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved_flag
+        if saved_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved_env
 
 
 def _mlx_lm_sharing_weights(model_path, vlm):

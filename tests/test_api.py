@@ -270,3 +270,65 @@ async def test_remote_images_only_with_the_flag_and_within_limits(aiohttp_client
     r = await on.post("/v1/chat/completions", json=body("slow.png"))
     assert r.status == 400 and "could not fetch" in (await r.json())["error"]
     assert len(engine.requests) == 1
+
+
+async def test_admin_endpoints_refuse_other_origins(aiohttp_client, fixture_path):
+    """No web page on another origin (or another host name resolving here)
+    may clear the cache or read the stats of a server without an API key;
+    the completion endpoints keep upstream's CORS."""
+    from mlx_lm_plus.app import build
+
+    async def serve(argv=()):
+        engine, server = build(parse_args(["--model", str(fixture_path("qwen3")), *argv]))
+        cleared = []
+        engine.clear_cache = lambda: cleared.append(1) or {}
+        return await aiohttp_client(make_app(server)), cleared
+
+    client, cleared = await serve()
+    evil = {"Origin": "http://evil.test"}
+    r = await client.options("/v1/cache", headers={
+        **evil, "Access-Control-Request-Method": "DELETE"})
+    assert "Access-Control-Allow-Origin" not in r.headers
+    assert "Access-Control-Allow-Methods" not in r.headers
+    r = await client.delete("/v1/cache", headers=evil)
+    assert r.status == 403 and "another origin" in (await r.json())["error"]
+    assert cleared == []
+    for headers in (evil, {"Sec-Fetch-Site": "cross-site"}, {"Host": "rebound.evil.test:8080"}):
+        r = await client.get("/v1/stats", headers=headers)
+        assert r.status == 403, headers
+        r = await client.get("/metrics", headers=headers)
+        assert r.status == 403, headers
+    # Same origin (the dashboard), or no browser at all: allowed.
+    own = f"http://{client.server.host}:{client.server.port}"
+    for headers in ({}, {"Origin": own}, {"Sec-Fetch-Site": "same-origin"},
+                    {"Host": "localhost:8080"}):
+        r = await client.get("/v1/stats", headers=headers)
+        assert r.status == 200, headers
+        assert "Access-Control-Allow-Origin" not in r.headers
+    r = await client.delete("/v1/cache")
+    assert r.status == 200 and cleared == [1]
+    # Upstream's CORS stays on the other endpoints.
+    r = await client.get("/health", headers=evil)
+    assert r.headers["Access-Control-Allow-Origin"] == "*"
+
+    # With a key, a caller that has it may come from anywhere.
+    keyed, cleared = await serve(["--api-key", "k"])
+    r = await keyed.delete("/v1/cache", headers=evil)
+    assert r.status == 401 and cleared == []
+    r = await keyed.delete("/v1/cache", headers={**evil, "Authorization": "Bearer k"})
+    assert r.status == 200 and cleared == [1]
+
+
+async def test_unexpected_error_is_a_json_500(aiohttp_client, monkeypatch):
+    engine = ScriptedEngine()
+    client = await make_client(aiohttp_client, engine)
+    app_server = client.server.app.router.routes()._routes[0].handler.__self__
+
+    def broken(path):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(app_server, "list_models", broken)
+    r = await client.get("/v1/models")
+    assert r.status == 500
+    assert "KeyError" in (await r.json())["error"]
+    assert (await client.get("/health")).status == 200

@@ -95,6 +95,7 @@ CASES = [
     (CHAT, image_chat("data:image/png;base64," + base64.b64encode(b"not an image").decode())),
     (CHAT, image_chat(png_url(100_000, 100_000))),
     (CHAT, image_chat(png_url(8_000, 8_000))),
+    (CHAT, image_chat(png_url(6_000, 6_000), count=3)),  # 108 MP in all
     (CHAT, image_chat(png_url(2, 2), count=17)),
     (CHAT, image_chat(png_url(2, 2))),  # a real image, but a model without vision
     # text completions

@@ -5,6 +5,7 @@ image requests batched with text requests, all equal to cold runs."""
 import base64
 import itertools
 import io
+import time
 
 import pytest
 from PIL import Image, PngImagePlugin
@@ -324,3 +325,88 @@ def test_image_prompt_checkpoints(fixture_path):
     assert plan.segment_types[0] == "system"
     assert first.vision_start > len(tokenizer.apply_chat_template([system], tokenize=True))
     assert sum(plan.segments, []) == plan.tokens
+
+
+def test_decode_image_scales_down_to_the_processor_limit():
+    from mlx_lm_plus.vision import decode_image
+
+    url = noise(1, size=(2000, 1000))
+    small = decode_image(url, max_pixels=200_000)
+    assert small.size[0] * small.size[1] <= 200_000
+    assert abs(small.size[0] / small.size[1] - 2.0) < 0.01
+    assert decode_image(url).size == (2000, 1000)  # no limit: as it is
+
+
+async def test_images_decoded_off_the_generation_thread_with_keepalives(
+        fixture_path, aiohttp_client, monkeypatch):
+    """Pixels are decoded in an executor, not on the event loop or the
+    generation thread; a stream gets keepalives while its image stretch is
+    prefilled."""
+    import threading
+
+    from compat.launch import parse_sse
+    from mlx_lm_plus import vision
+    from mlx_lm_plus.api import make_app
+    from mlx_lm_plus.app import build
+    from mlx_lm_plus.server import parse_args
+
+    threads = []
+    real = vision.decode_image
+    monkeypatch.setattr(vision, "decode_image", lambda *a, **kw: (
+        threads.append(threading.current_thread().name), real(*a, **kw))[1])
+    cli = parse_args(["--model", str(fixture_path("qwen2_vl")), "--prefill-step-size", "8"])
+    engine, server = build(cli)
+    engine.start()
+    try:
+        client = await aiohttp_client(make_app(server))
+        body = {"messages": [user(image_part(noise(5)), "What is it?")], "max_tokens": 3,
+                "stream": True}
+        r = await client.post("/v1/chat/completions", json=body)
+        raw = await r.read()
+        assert r.status == 200
+        kinds = [kind for kind, _ in parse_sse(raw)]
+        assert "comment" in kinds[: kinds.index("data")], kinds[:5]
+        assert threads and "mlx_lm_plus-generation" not in threads
+        assert threading.main_thread().name not in threads
+    finally:
+        engine.stop_and_join(timeout=30)
+
+
+def test_image_prefill_stops_when_the_client_goes(fixture_path):
+    from mlx_lm.server import Response
+
+    r = EngineRunner(fixture_path("qwen2_vl"), argv=["--prefill-step-size", "2"])
+    try:
+        channel = r.submit({"messages": [user(image_part(noise(9)), "Describe it.")],
+                            "max_tokens": 50})
+        item = channel.items.get(timeout=60)
+        assert isinstance(item, tuple), item  # progress before acceptance
+        channel.cancel()
+        deadline = time.monotonic() + 30
+        while channel.removed_at is None:
+            assert time.monotonic() < deadline, "image prefill not stopped"
+            time.sleep(0.01)
+        rest = []
+        while not channel.items.empty():
+            rest.append(channel.items.get())
+        assert not any(isinstance(i, Response) for i in rest)
+        # Nothing of the abandoned stretch was stored; the engine goes on.
+        tokens, _, _ = r.run({"messages": [user("plain text")], "max_tokens": 3})
+        assert len(tokens) == 3
+    finally:
+        r.close()
+
+
+def test_vision_load_leaves_the_hub_setting_as_it_was(fixture_path, monkeypatch):
+    """Offline only while mlx-vlm loads a local folder: a later load of a
+    repo name (--allow-model-loading) may still download."""
+    import os
+
+    import huggingface_hub.constants as hub
+
+    from mlx_lm_plus.vision import load_vision_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    load_vision_model(str(fixture_path("qwen2_vl")))
+    assert "HF_HUB_OFFLINE" not in os.environ and hub.HF_HUB_OFFLINE is False

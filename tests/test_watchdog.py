@@ -1,0 +1,56 @@
+"""A generation step that hangs without raising: /health turns 503 with the
+reason, every waiting request is answered, and the process exits non-zero
+for a supervisor to restart it (found in review: nobody noticed)."""
+
+import json
+import sys
+import threading
+import time
+
+from compat.launch import ServerProcess, parse_sse
+from mlx_lm_plus.engine import HANG_EXIT_STATUS
+
+
+def chat(text, **kw):
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 3, **kw}
+
+
+def test_stuck_step_answers_everyone_and_exits(fixture_path, tmp_path):
+    command = [sys.executable, "-m", "tests.hanging_server"]
+    argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
+            "--watchdog-grace", "3"]
+    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+        assert server.post("/v1/chat/completions", chat("fine"))[0] == 200
+        answers = {}
+
+        def ask(name, body):
+            answers[name] = server.request("POST", "/v1/chat/completions", body, timeout=60)
+
+        # A stream decoding in the batch when the step hangs, then the
+        # request that makes it hang.
+        threads = [threading.Thread(target=ask, args=args) for args in [
+            ("streamed", chat("stream me", stream=True, max_tokens=5000)),
+            ("stuck", chat("HANG now")),
+        ]]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+            time.sleep(1.0)
+        for t in threads:
+            t.join(60)
+        answered = time.monotonic() - started
+
+        status, _, body = answers["stuck"]
+        assert status == 503 and "generation stuck" in json.loads(body)["error"]
+        status, _, body = answers["streamed"]
+        events = parse_sse(body)
+        assert status == 200 and any("generation stuck" in str(e) for e in events), events
+        status, health = server.get("/health")
+        assert status == 503 and "a batch step" in health["reason"], health
+        # New requests get a fast 503 until the process goes.
+        assert server.post("/v1/chat/completions", chat("later"))[0] == 503
+
+        assert server.proc.wait(timeout=30) == HANG_EXIT_STATUS
+        print(f"answered {answered:.1f} s after the hang began; exited "
+              f"{HANG_EXIT_STATUS} after the grace period")
+        assert "Watchdog" in server.log_tail()
