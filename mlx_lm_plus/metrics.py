@@ -276,13 +276,13 @@ def cache_entries(store, limit: int = 200) -> List[Dict[str, Any]]:
     rows = []
     for e in sorted(store.entries(), key=lambda e: -e.last_used)[:limit]:
         rows.append({
-            "tokens": len(e.key),
+            "tokens": e.ntokens,
             "bytes": e.nbytes,
             "kind": e.kind,
             "hits": e.hits,
             "age_s": round(now - e.created, 1),
             "idle_s": round(now - e.last_used, 1),
-            # Image placeholder tokens are keyed by negative image ids.
-            "images": len({t for t in e.key if t < 0}),
+            # Distinct image ids (negative tokens) in the key, counted on insert.
+            "images": e.images,
         })
     return rows
