@@ -17,8 +17,9 @@ import re
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List, Optional
 
 import aiohttp
 
@@ -66,50 +67,92 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+@dataclass
+class Streamed:
+    """What one streamed request brought back."""
+
+    status: int = 0
+    text: str = ""  # the content deltas joined
+    reasoning: str = ""  # the reasoning deltas joined
+    chunks: int = 0  # deltas with content
+    ttft: Optional[float] = None  # seconds to the first content delta
+    error: Any = None  # the body of a non-200 answer, or an error event
+    hung_up: bool = False  # the client stopped reading after hang_up_after chunks
+    done: bool = False  # "data: [DONE]" arrived
+
+
+async def stream_reply(session, url, body, hang_up_after=None, path="/v1/chat/completions",
+                       on_chunk=None) -> Streamed:
+    """POST a streamed request and read its events (chat deltas or text
+    completions), hanging up after `hang_up_after` content chunks if given.
+    Client errors (aiohttp.ClientError, asyncio.TimeoutError) propagate."""
+    out = Streamed()
+    started = time.monotonic()
+    parts, reasoning = [], []
+    async with session.post(url + path, json=body) as r:
+        out.status = r.status
+        if r.status != 200:
+            out.error = f"{r.status}: {await r.text()}"
+            return out
+        async for line in r.content:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                out.done = True
+                continue
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.error = event["error"]
+                break
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") if "delta" in choice else choice.get("text")
+                if delta.get("reasoning"):
+                    reasoning.append(delta["reasoning"])
+                if piece:
+                    if out.ttft is None:
+                        out.ttft = time.monotonic() - started
+                    parts.append(piece)
+                    out.chunks += 1
+                    if on_chunk is not None:
+                        on_chunk()
+            if hang_up_after is not None and out.chunks >= hang_up_after:
+                out.hung_up = True
+                break
+    out.text, out.reasoning = "".join(parts), "".join(reasoning)
+    return out
+
+
 async def one_client(session, url, prompts, references, deadline, disconnect_rate,
                      max_tokens, rng, tally):
+    def count_token():
+        tally["tokens"] += 1
+
     while time.monotonic() < deadline:
         i = rng.randrange(len(prompts))
         hang_up_after = rng.randrange(1, max_tokens) if rng.random() < disconnect_rate else None
         body = {"messages": prompts[i], "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True}
-        started = time.monotonic()
-        first = None
-        parts, chunks = [], 0
         tally["started"] += 1
         try:
-            async with session.post(url + "/v1/chat/completions", json=body) as r:
-                tally["status"][r.status] = tally["status"].get(r.status, 0) + 1
-                if r.status != 200:
-                    tally["errors"].append(f"{r.status}: {await r.text()}")
-                    continue
-                async for line in r.content:
-                    line = line.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        tally["errors"].append(event["error"])
-                        break
-                    delta = event["choices"][0]["delta"]
-                    if delta.get("content"):
-                        if first is None:
-                            first = time.monotonic() - started
-                        parts.append(delta["content"])
-                        chunks += 1
-                        tally["tokens"] += 1
-                    if hang_up_after is not None and chunks >= hang_up_after:
-                        break
-            if hang_up_after is not None and chunks >= hang_up_after:
+            reply = await stream_reply(session, url, body, hang_up_after, on_chunk=count_token)
+            tally["status"][reply.status] = tally["status"].get(reply.status, 0) + 1
+            if reply.status != 200:
+                tally["errors"].append(reply.error)
+                continue
+            if reply.error is not None:
+                tally["errors"].append(reply.error)
+            if reply.hung_up:
                 tally["disconnected"] += 1
                 continue
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             tally["errors"].append(f"client error: {e!r}")
             continue
-        if first is not None:
-            tally["ttft"].append(first)
+        if reply.ttft is not None:
+            tally["ttft"].append(reply.ttft)
         tally["completed"] += 1
-        if "".join(parts) != references[i]:
+        if reply.text != references[i]:
             tally["mismatches"] += 1
 
 
