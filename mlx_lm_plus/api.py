@@ -293,13 +293,17 @@ class Server:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except web.HTTPException as e:  # e.g. a Content-Encoding it can't decode
+            raise RequestError(f"Could not read the request body: {e.text}", e.status) from e
         try:
             text = raw.decode()
         except UnicodeDecodeError as e:
             raise RequestError(f"Request body is not valid UTF-8: {e}") from e
         try:
             return json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise RequestError(f"Invalid JSON in request body: {e}") from e
+        except ValueError as e:  # an integer of more than 4300 digits
             raise RequestError(f"Invalid JSON in request body: {e}") from e
 
     async def _decode_images(self, req):
