@@ -63,6 +63,7 @@ class Server:
         # Completions accepted and not yet answered (the event loop's own count).
         self.in_flight = 0
         self.metrics = metrics
+        self._decoding = asyncio.Semaphore(2)
 
     @property
     def max_in_flight(self) -> int:
@@ -172,8 +173,9 @@ class Server:
             why = self.foreign_caller(request)
             if why is not None:
                 return self.error(
-                    request, f"{request.path} refuses {why} (start the server with "
-                    "--api-key to call it from elsewhere)", 403)
+                    request, f"{request.path} refuses {why}: call it from this "
+                    "server's own pages or a non-browser client, by address or "
+                    "localhost (or start the server with --api-key and send the key)", 403)
         if request.method == "GET":
             if request.path.startswith("/v1/models"):
                 return await self.handle_models(request)
@@ -317,9 +319,12 @@ class Server:
             return
         loop = asyncio.get_running_loop()
         try:
-            req.images = await loop.run_in_executor(
-                None, decode_images, urls, self.engine.image_max_pixels
-            )
+            # Two requests' images decode at once: each holds its pixels
+            # (up to --max-request-image-pixels) until the engine plans it.
+            async with self._decoding:
+                req.images = await loop.run_in_executor(
+                    None, decode_images, urls, self.engine.image_max_pixels
+                )
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e
 

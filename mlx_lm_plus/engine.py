@@ -134,6 +134,11 @@ def request_error(error: Exception, what: str) -> Exception:
     else as an InternalError (a 500, never a hang)."""
     if isinstance(error, (PromptError, ModelLoadError, EngineUnavailable, InternalError)):
         return error
+    if "maximum allowed buffer size" in str(error):
+        # Metal's limit on one buffer: this request can never fit, retrying
+        # won't help (400, and no reason to give up the prompt cache).
+        return PromptError(f"The request needs a larger buffer than this machine "
+                           f"allows while {what}: {error}")
     if is_out_of_memory(error):
         return OutOfMemory(f"Out of memory while {what}: {error}")
     return InternalError(f"Internal error while {what}: {error!r}")
@@ -175,6 +180,7 @@ class Engine:
         # process (exit_process, replaced in tests) for a supervisor to
         # restart.
         self._busy: Optional[tuple] = None
+        self._admitting = None  # the channel of the request being admitted
         self.hung = False
         self.exit_process = os._exit
 
@@ -224,8 +230,7 @@ class Engine:
             if batch is not None:
                 held += [r["channel"] for r in list(batch.results.values())]
             held += [r[0] for r in list(self._pending)]
-            if self._current is not None:
-                held.append(self._current)
+            held += [c for c in (self._current, self._admitting) if c is not None]
         except Exception:  # the stuck thread changed them under us: best effort
             logging.exception("Watchdog: could not list every held request")
         for channel in held:
@@ -259,6 +264,9 @@ class Engine:
                 self._generate()
                 return
             except BaseException as e:
+                self._idle()  # nothing runs now: not a stuck step
+                if self.hung:
+                    return  # the watchdog answers everyone and ends the process
                 logging.exception(f"mlx_lm_plus generation thread died: {e!r}")
                 self.unhealthy_reason = f"generation thread died: {e!r}"
                 self._fail_held(EngineUnavailable(f"generation engine failed: {e!r}"))
@@ -271,6 +279,8 @@ class Engine:
                     self._fail_queue(EngineUnavailable(self.unhealthy_reason))
                     return
                 time.sleep(self.restart_delay)
+                if self.hung:
+                    return
                 self.restarts += 1
                 logging.warning(f"Restarting the generation loop (restart {self.restarts})")
                 self.unhealthy_reason = None
@@ -285,9 +295,8 @@ class Engine:
             except Exception:
                 pass
         held += [request[0] for request in self._pending]
-        if self._current is not None:
-            held.append(self._current)
-        self._batch, self._pending, self._current = None, [], None
+        held += [c for c in (self._current, self._admitting) if c is not None]
+        self._batch, self._pending, self._current, self._admitting = None, [], None, None
         for channel in held:
             channel.put(error)
         gc.collect()
@@ -310,6 +319,10 @@ class Engine:
                 f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
             )
         self.requests.put((channel, request, args))
+        if self.hung:
+            # The watchdog drained the queue before this put landed.
+            self._fail_queue(EngineUnavailable(
+                f"Generation engine unavailable: {self.unhealthy_reason}"))
 
     def clear_cache(self):
         """Drop every prompt cache entry; MLX's buffer cache follows on the
@@ -427,6 +440,11 @@ class Engine:
             plan = build_prompt(tokenizer, self.model_provider.processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
+        finally:
+            # The decoded pixels are in the plan now (or not needed): the
+            # request, which its handler holds to the end, lets them go.
+            if getattr(request, "images", None) is not None:
+                request.images = None
         # A divergence checkpoint: where this prompt leaves the paths already
         # in the store (an edit or regeneration inside a message), so the
         # next variant of the same branch can resume there.
@@ -607,6 +625,9 @@ class Engine:
 
             if request is not None:
                 self._beat("admitting a request")
+                # Held here while it is planned (and its images prefilled), so
+                # a crash or the watchdog can answer it.
+                self._admitting = request[0]
                 try:
                     drain = self._admit(request, stream) or drain
                 except Exception as e:
@@ -618,6 +639,8 @@ class Engine:
                     if isinstance(error, OutOfMemory):
                         self._relieve_memory()
                     request[0].put(error)
+                finally:
+                    self._admitting = None
                 continue
 
             if batch is None:

@@ -64,9 +64,24 @@ def is_public(address: str) -> bool:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        # IPv6 forms that carry an IPv4 address reach that address (through
+        # a NAT64 or 6to4 gateway, or a dual stack): judge the IPv4 one.
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip.sixtofour is not None:
+            ip = ip.sixtofour
+        elif ip.teredo is not None:
+            ip = ip.teredo[1]
+        elif any(ip in net for net in _EMBEDDING_IPV4):
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return ip.is_global and not ip.is_multicast
+
+
+# NAT64 (well-known and local-use prefixes), IPv4-compatible and
+# IPv4-translated addresses: the last 32 bits are an IPv4 address.
+_EMBEDDING_IPV4 = [ipaddress.ip_network(n) for n in (
+    "64:ff9b::/96", "64:ff9b:1::/48", "::/96", "::ffff:0:0:0/96")]
 
 
 def address_allowed(address: str, cli) -> bool:
@@ -251,3 +266,6 @@ async def inline_remote_images(messages, cli, *,
         fetched = task.result()
         part.clear()
         part.update(fetched)
+    # Each image was checked alone; the request's limits on all its images
+    # together (--max-request-image-pixels) hold for fetched ones too.
+    _validate_images({"messages": messages}, cli)

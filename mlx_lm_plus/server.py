@@ -296,11 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--step-timeout",
         type=float,
-        default=300.0,
+        default=900.0,
         help="(mlx_lm_plus) Seconds one generation step (a batch step, a prefill "
         "chunk, a vision tower call) may take before the server is declared "
         "stuck: /health turns 503, waiting requests get 503, and the process "
-        "exits with status 70 for a supervisor to restart it (default: 300; "
+        "exits with status 70 for a supervisor to restart it (default: 900; "
         "0: no watchdog)",
     )
     parser.add_argument(
@@ -328,11 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # Upstream keeps the unsplit default "*"; `"*" in "*"` holds, so CORS code
     # works on both shapes. Normalise to a list for our own code.
     if isinstance(args.allowed_origins, str):
         args.allowed_origins = args.allowed_origins.split(",")
+    if args.step_timeout < 0 or args.watchdog_grace < 0:
+        parser.error("--step-timeout and --watchdog-grace must be at least 0")
     return args
 
 

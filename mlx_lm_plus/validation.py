@@ -9,6 +9,7 @@ message in the same style (see `_validate_extra`).
 import base64
 import binascii
 import io
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -55,7 +56,14 @@ def _validate(params, name, expected_type, min_val=None, max_val=None,
     value = params[name]
     if optional and value is None:
         return
-    if not isinstance(value, expected_type):
+    types = expected_type if isinstance(expected_type, tuple) else (expected_type,)
+    # Stricter than upstream: JSON true/false are not numbers (bool is an int
+    # subclass; `top_logprobs: true` used to fail the whole batch), and NaN or
+    # Infinity are not values.
+    wrong = not isinstance(value, expected_type) or (
+        isinstance(value, bool) and bool not in types
+    ) or (isinstance(value, float) and not math.isfinite(value))
+    if wrong:
         try:
             allowed = tuple(et.__name__ for et in expected_type)
         except TypeError:
@@ -122,13 +130,15 @@ def _validate_upstream(p: Dict[str, Any]) -> None:
     _validate(p, "xtc_threshold", float, min_val=0, max_val=1)
     _validate(p, "requested_model", str)
     _validate(p, "adapter", str, optional=True)
-    _validate(p, "seed", int, optional=True)
+    _validate(p, "seed", int, optional=True, min_val=0, max_val=2**64 - 1)
     _validate(p, "logit_bias", dict, optional=True)
     if p["logit_bias"] is not None:
         try:
             p["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
         except (ValueError, TypeError) as e:
             raise RequestError("logit_bias must be a dict of int to float") from e
+        if not all(math.isfinite(v) for v in p["logit_bias"].values()):
+            raise RequestError("logit_bias must be a dict of int to float")
 
 
 def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:

@@ -1,6 +1,7 @@
 """mlx_lm_plus.server whose batch step hangs (an MLX call that never
-returns) once a request asks for it with "HANG" in its last message: for the
-watchdog test, which needs a real process to exit."""
+returns) once a request asks for it with "HANG" in its last message, or
+hangs admitting a request that says "HANG_ADMIT": for the watchdog tests,
+which need a real process to exit."""
 
 import sys
 import time
@@ -13,7 +14,10 @@ hang = []
 
 
 def insert(self, channel, request, args):
-    if request.messages and "HANG" in str(request.messages[-1].get("content")):
+    text = str(request.messages[-1].get("content")) if request.messages else ""
+    if "HANG_ADMIT" in text:  # stuck while the request is being admitted
+        time.sleep(3600)
+    if "HANG" in text:
         hang.append(True)
     return _insert(self, channel, request, args)
 

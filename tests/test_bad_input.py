@@ -118,6 +118,10 @@ CASES = [
     *[(CHAT, chat(**{field: value})) for field, value in [
         ("draft_model", []), ("draft_model", {"a": 1}), ("draft_model", 5),
         ("role_mapping", 5), ("role_mapping", {"user": [1]}),
+        # booleans are not numbers; NaN/Infinity are not values
+        ("top_logprobs", True), ("max_tokens", True), ("seed", True), ("seed", -1),
+        ("seed", 2**70), ("temperature", float("nan")), ("top_p", float("inf")),
+        ("logit_bias", {"1": "nan"}),
     ]],
 ]
 

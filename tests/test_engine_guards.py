@@ -150,3 +150,29 @@ def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path)
     monkeypatch.undo()
     assert engine.restarts == 0 and engine.is_healthy
     assert len(runner.run(chat("and this one does not", max_tokens=4))[0]) == 4
+
+
+def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
+    """Metal's per-buffer limit can never be met by retrying: 400, and the
+    prompt cache is not given up for it."""
+    from mlx_lm_plus.engine import PromptError
+
+    assert runner.run(chat("warm up", max_tokens=4))[0]
+    entries = len(runner.store.entries())
+    model = runner.provider.model
+    real_call = type(model).__call__
+    armed = {"on": True}
+
+    def failing(self, *a, **kw):
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("[metal::malloc] Attempting to allocate 99999999999 bytes "
+                               "which is greater than the maximum allowed buffer size of "
+                               "77309411328 bytes.")
+        return real_call(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "__call__", failing)
+    with pytest.raises(PromptError, match="larger buffer"):
+        runner.run(chat("too big", max_tokens=4))
+    monkeypatch.undo()
+    assert len(runner.store.entries()) >= entries and runner.engine.restarts == 0

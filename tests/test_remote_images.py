@@ -186,7 +186,12 @@ def test_address_checks_without_connecting():
                 "http://100.64.0.1/", "http://0.0.0.0/", "http://[::1]/",
                 "http://[fe80::1]/", "http://[fd00::1]/", "http://[::ffff:127.0.0.1]/",
                 "http://127.1/", "http://2130706433/", "ftp://8.8.8.8/x.png",
-                "file:///etc/passwd"):
+                "file:///etc/passwd",
+                # IPv6 forms carrying a private IPv4 address (NAT64, 6to4,
+                # IPv4-compatible, IPv4-translated, Teredo)
+                "http://[64:ff9b::a9fe:a9fe]/", "http://[64:ff9b:1::a00:5]/",
+                "http://[2002:7f00:1::1]/", "http://[::127.0.0.1]/",
+                "http://[::ffff:0:7f00:1]/", "http://[2001:0:4136:e378:8000:63bf:f5fe:fffe]/"):
         with pytest.raises(Refused):
             check_url(URL(url), closed)
     for url in ("http://8.8.8.8/x.png", "https://[2606:4700::1111]/x.png",
@@ -195,6 +200,7 @@ def test_address_checks_without_connecting():
     check_url(URL("http://127.0.0.1/"), opened)
     check_url(URL("http://169.254.169.254/"), opened)
     assert is_public("8.8.8.8") and not is_public("224.0.0.1") and not is_public("x")
+    assert is_public("64:ff9b::808:808")  # NAT64 of a public address
 
 
 # -- validated before anything is fetched --
@@ -352,3 +358,16 @@ def test_vision_completion_from_a_remote_image(fixture_path):
             engine.stop_and_join(timeout=30)
 
     asyncio.run(main())
+
+
+async def test_fetched_images_count_in_the_request_pixel_budget(aiohttp_client, private):
+    """Each fetched image is within the per-image limits, but together they
+    are over --max-request-image-pixels: refused, as the same images sent
+    as data URLs are."""
+    w, h = Image.open(io.BytesIO(PICTURE)).size
+    c = await client(aiohttp_client, "--allow-private-image-hosts",
+                     "--max-request-image-pixels", str(w * h * 2 - 1))
+    status, raw = await post(c, image_body(private.url("a.png"), private.url("a.png")))
+    assert status == 400 and b"in all" in raw, raw
+    status, raw = await post(c, image_body(private.url("a.png")))
+    assert status == 200, raw

@@ -356,6 +356,10 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
         threads.append(threading.current_thread().name), real(*a, **kw))[1])
     cli = parse_args(["--model", str(fixture_path("qwen2_vl")), "--prefill-step-size", "8"])
     engine, server = build(cli)
+    submitted = []
+    real_submit = engine.submit
+    engine.submit = lambda channel, req, args: (submitted.append(req),
+                                                real_submit(channel, req, args))[1]
     engine.start()
     try:
         client = await aiohttp_client(make_app(server))
@@ -368,6 +372,8 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
         assert "comment" in kinds[: kinds.index("data")], kinds[:5]
         assert threads and "mlx_lm_plus-generation" not in threads
         assert threading.main_thread().name not in threads
+        # Decoded images reached the engine, which let them go once planned.
+        assert len(submitted) == 1 and submitted[0].images is None
     finally:
         engine.stop_and_join(timeout=30)
 

@@ -54,3 +54,16 @@ def test_stuck_step_answers_everyone_and_exits(fixture_path, tmp_path):
         print(f"answered {answered:.1f} s after the hang began; exited "
               f"{HANG_EXIT_STATUS} after the grace period")
         assert "Watchdog" in server.log_tail()
+
+
+def test_stuck_admission_answers_the_request_being_admitted(fixture_path, tmp_path):
+    """The request the generation thread is admitting (planning, image
+    prefill) is held nowhere else: the watchdog must still answer it."""
+    command = [sys.executable, "-m", "tests.hanging_server"]
+    argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
+            "--watchdog-grace", "3"]
+    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+        status, _, body = server.request("POST", "/v1/chat/completions",
+                                         chat("HANG_ADMIT please"), timeout=60)
+        assert status == 503 and "admitting a request" in json.loads(body)["error"]
+        assert server.proc.wait(timeout=30) == HANG_EXIT_STATUS
