@@ -31,6 +31,11 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 # key: otherwise any web page the operator opens could call them on localhost.
 ADMIN_PATHS = ("/v1/cache", "/v1/cache/stats", "/v1/stats", "/metrics")
 DASHBOARD = Path(__file__).with_name("dashboard.html")
+# How the app is served (app.serve, and the tests' servers): request bodies
+# are read as sent, never decompressed, as upstream's http.server did; a
+# compressed one gets a 415 (Server._read_body) instead of a bomb, a parser's
+# text 400, or a half-sent stream that never ends.
+RUNNER_OPTIONS = {"auto_decompress": False}
 
 
 class AsyncChannel(Channel):
@@ -291,12 +296,20 @@ class Server:
         )
         if limit is not None and (request.content_length or 0) > limit:
             raise too_large
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # Bodies are not decompressed (aiohttp's auto_decompress is off, as
+            # upstream's http.server never decoded them): a compressed body
+            # would otherwise be a bomb, or hang a half-sent stream.
+            raise RequestError(
+                f"Content-Encoding {encoding!r} is not supported: send the body "
+                "uncompressed", 415)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
-        except web.HTTPException as e:  # e.g. a Content-Encoding it can't decode
-            raise RequestError(f"Could not read the request body: {e.text}", e.status) from e
+        except (web.HTTPException, web.RequestPayloadError) as e:
+            raise RequestError(f"Could not read the request body: {e}", 400) from e
         try:
             text = raw.decode()
         except UnicodeDecodeError as e:
@@ -620,7 +633,9 @@ def _status_of(error: Exception) -> int:
 def make_app(server: Server) -> web.Application:
     limit = getattr(server.cli_args, "max_request_bytes", None) or 1024**3
     app = web.Application(client_max_size=limit)
-    app.router.add_route("*", "/{tail:.*}", server.dispatch)
+    # Every path, newlines included (`.` stops at one: /v1/models/%0A would
+    # get aiohttp's own text 404).
+    app.router.add_route("*", r"/{tail:[\s\S]*}", server.dispatch)
     if server.metrics is not None:
         app.cleanup_ctx.append(_sample_every_second(server.metrics))
     return app

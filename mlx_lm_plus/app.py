@@ -11,7 +11,7 @@ from aiohttp import web
 from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .api import Server, make_app
+from .api import RUNNER_OPTIONS, Server, make_app
 from .cache import PromptStore, default_budget
 from .engine import Engine
 from .metrics import Metrics
@@ -50,6 +50,7 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
         make_app(server),
         handler_cancellation=True,
         access_log=None,
+        **RUNNER_OPTIONS,
         shutdown_timeout=server.cli_args.shutdown_timeout,
     )
     await runner.setup()

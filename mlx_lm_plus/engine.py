@@ -477,7 +477,9 @@ class Engine:
         """The most pixels the model's image processor keeps (it scales larger
         images down), or None."""
         vision = self._vision
-        return vision.max_pixels if vision is not None else None
+        if vision is not None:
+            return vision.max_pixels
+        return self.model_provider.default_image_max_pixels
 
     @property
     def _vision(self) -> Optional[VisionSupport]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
-from .vision import is_vision_model, load_vision_model
+from .vision import configured_max_pixels, is_vision_model, load_vision_model
 
 
 class _Default:
@@ -40,6 +40,10 @@ class ModelProvider(UpstreamModelProvider):
         # Known before the model is loaded (on the generation thread), so the
         # API can prepare images for it from the first request on.
         self.default_is_vision = model is not None and is_vision_model(model)
+        # Read from the folder, so images are scaled alike (and fingerprinted
+        # alike) whether or not the model had finished loading.
+        self.default_image_max_pixels = (
+            configured_max_pixels(model) if self.default_is_vision else None)
         if model is not None:
             aliases = {model}
             if Path(model).exists():

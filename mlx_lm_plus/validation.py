@@ -137,12 +137,23 @@ def _validate_upstream(p: Dict[str, Any]) -> None:
             p["logit_bias"] = {int(k): float(v) for k, v in p["logit_bias"].items()}
         except (ValueError, TypeError) as e:
             raise RequestError("logit_bias must be a dict of int to float") from e
-        if not all(math.isfinite(v) for v in p["logit_bias"].values()):
-            raise RequestError("logit_bias must be a dict of int to float")
+        if not all(math.isfinite(v) and abs(v) <= 1e4 for v in p["logit_bias"].values()):
+            raise RequestError("logit_bias values must be numbers within [-10000, 10000]")
 
 
 def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
     """Checks upstream lacks, for values that crash its generation thread."""
+    # Stricter than upstream: values its samplers can't take. Beyond these the
+    # sampler raises (xtc_threshold > 0.5; integers past 2**63: std::bad_cast)
+    # or turns the logits into NaN (huge penalties), failing or corrupting
+    # the whole batch.
+    _validate(p, "xtc_threshold", float, min_val=0, max_val=0.5)
+    _validate(p, "temperature", (float, int), min_val=0, max_val=1000)
+    for name in ("presence_penalty", "frequency_penalty"):
+        _validate(p, name, (float, int), min_val=-100, max_val=100)
+    _validate(p, "repetition_penalty", (float, int), min_val=0, max_val=100)
+    if 0 < p["repetition_penalty"] < 0.01:
+        raise RequestError("repetition_penalty must be 0 (off) or at least 0.01")
     if not isinstance(p["requested_draft_model"], str):
         # Upstream never checks it; the model lookup then raises on whatever
         # thread it runs (a hang with --allow-model-loading).
@@ -258,6 +269,11 @@ def _stop_words(body):
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings")
+    for s in stop:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no token has it
+            raise RequestError(f"stop must be valid Unicode text: {e}") from e
     return [s for s in stop if s]
 
 
@@ -315,7 +331,8 @@ def parse_request(
         raise RequestError("chat_template_kwargs must be of type dict")
     stop_words = _stop_words(body)
     request = _completion_request(path, body)
-    _validate_images(body, cli)
+    if request.request_type == "chat":  # a text completion's messages are unused
+        _validate_images(body, cli)
     args = GenerationArguments(
         model=ModelDescription(
             model=p["requested_model"],

@@ -56,6 +56,18 @@ def is_vision_model(model_path) -> bool:
     return "vision_config" in cfg and cfg.get("model_type") in VISION_MODEL_TYPES
 
 
+def configured_max_pixels(model_path) -> Optional[int]:
+    """The image processor's pixel limit from a model folder's
+    preprocessor_config.json (before the model is loaded), or None."""
+    try:
+        cfg = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    value = cfg.get("max_pixels") or size.get("max_pixels") or size.get("longest_edge")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 # -- caches that carry the M-RoPE delta --
 
 

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.server import GenerationContext, Response
 from mlx_lm.generate import TextStateMachine
 
-from mlx_lm_plus.api import Server, make_app
+from mlx_lm_plus.api import RUNNER_OPTIONS, Server, make_app
 from mlx_lm_plus.engine import EngineUnavailable, PromptError
 from mlx_lm_plus.server import parse_args
 
@@ -59,11 +59,21 @@ def tokens(*texts, finish="stop"):
             for i, t in enumerate(texts)] + [None]
 
 
+async def served(aiohttp_client, app):
+    """A test client of `app` served as app.serve serves it (RUNNER_OPTIONS;
+    aiohttp's TestServer only takes runner options in start_server)."""
+    from aiohttp.test_utils import TestServer
+
+    test_server = TestServer(app)
+    await test_server.start_server(**RUNNER_OPTIONS)
+    return await aiohttp_client(test_server)
+
+
 def make_client(aiohttp_client, engine, argv=()):
     args = parse_args(["--model", "m", *argv])
     provider = Namespace(model=None, tokenizer=None, is_served=lambda desc: True)
     server = Server(args, engine, provider, "fp")
-    return aiohttp_client(make_app(server))
+    return served(aiohttp_client, make_app(server))
 
 
 async def test_cors_allowed_origins_echo_and_vary(aiohttp_client):
@@ -332,3 +342,22 @@ async def test_unexpected_error_is_a_json_500(aiohttp_client, monkeypatch):
     assert r.status == 500
     assert "KeyError" in (await r.json())["error"]
     assert (await client.get("/health")).status == 200
+
+
+async def test_compressed_bodies_and_odd_paths_get_our_answers(aiohttp_client):
+    """Found by the fuzzer: a compressed body (aiohttp decoded it, and a
+    half-sent one hung), and a path with a newline (aiohttp's text 404)."""
+    import gzip
+
+    client = await make_client(aiohttp_client, ScriptedEngine([ctx(), *tokens("ok", "")]))
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    for encoding, data in (("gzip", gzip.compress(body)), ("br", body), ("deflate", b"{}")):
+        r = await client.post("/v1/completions", data=data,
+                              headers={"Content-Encoding": encoding,
+                                       "Content-Type": "application/json"})
+        assert r.status == 415 and "Content-Encoding" in (await r.json())["error"]
+    r = await client.get("/v1/models/%0A")
+    assert r.status in (200, 404) and r.headers["Content-Type"] == "application/json"
+    r = await client.post("/v1/completions", json={"prompt": "hi", "messages": [[]],
+                                                   "max_tokens": 2})
+    assert r.status == 200, await r.text()  # a text completion's messages are unused

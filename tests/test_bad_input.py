@@ -122,6 +122,10 @@ CASES = [
         ("top_logprobs", True), ("max_tokens", True), ("seed", True), ("seed", -1),
         ("seed", 2**70), ("temperature", float("nan")), ("top_p", float("inf")),
         ("logit_bias", {"1": "nan"}),
+        # values the samplers can't take (found by the fuzzer)
+        ("stop", "\ud800"), ("temperature", 2**63), ("frequency_penalty", 10**20),
+        ("presence_penalty", -1e300), ("repetition_penalty", 1e-300),
+        ("xtc_threshold", 1.0), ("logit_bias", {"1": 1e300}),
     ]],
 ]
 

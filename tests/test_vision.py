@@ -416,3 +416,20 @@ def test_vision_load_leaves_the_hub_setting_as_it_was(fixture_path, monkeypatch)
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     load_vision_model(str(fixture_path("qwen2_vl")))
     assert "HF_HUB_OFFLINE" not in os.environ and hub.HF_HUB_OFFLINE is False
+
+
+def test_image_scaling_is_known_before_the_model_loads(fixture_path):
+    """Images decoded before the generation thread has loaded the model are
+    scaled (and so fingerprinted) as later ones: the limit comes from the
+    model folder, and equals the loaded processor's."""
+    from mlx_lm_plus.engine import Engine
+    from mlx_lm_plus.models import ModelProvider
+    from mlx_lm_plus.server import parse_args
+
+    path = fixture_path("qwen2_vl")
+    provider = ModelProvider(parse_args(["--model", str(path)]))
+    engine = Engine(provider, store=None)
+    before = engine.image_max_pixels
+    assert before is not None
+    provider.load_default()
+    assert engine.image_max_pixels == before
