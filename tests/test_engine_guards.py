@@ -125,23 +125,29 @@ def test_queued_copies_of_stored_entries_are_not_counted(runner):
     batch.generator.close()
 
 
+def fail_next_model_call(runner, monkeypatch, message):
+    """The model's next forward pass raises RuntimeError(message), as MLX
+    does when an allocation fails; the calls after it run as usual."""
+    model_type = type(runner.provider.model)
+    real_call = model_type.__call__
+    armed = [True]
+
+    def failing(self, *a, **kw):
+        if armed.pop() if armed else False:
+            raise RuntimeError(message)
+        return real_call(self, *a, **kw)
+
+    monkeypatch.setattr(model_type, "__call__", failing)
+
+
 @pytest.mark.parametrize("path", ["batched", "sequential"])
 def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path):
     """An MLX allocation failure (Metal's text) in a step fails the requests of
     that step with OutOfMemory (503), frees memory, and the loop goes on."""
     engine = runner.engine
     assert runner.run(chat("warm up", max_tokens=4))[0]
-    model = runner.provider.model
-    real_call = type(model).__call__
-    armed = {"on": True}
-
-    def failing(self, *a, **kw):
-        if armed["on"]:
-            armed["on"] = False
-            raise RuntimeError("[metal::malloc] Unable to allocate 68719476736 bytes.")
-        return real_call(self, *a, **kw)
-
-    monkeypatch.setattr(type(model), "__call__", failing)
+    fail_next_model_call(runner, monkeypatch,
+                         "[metal::malloc] Unable to allocate 68719476736 bytes.")
     body = chat("This one runs out of memory", max_tokens=4)
     if path == "sequential":
         body["seed"] = 1
@@ -159,19 +165,9 @@ def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
 
     assert runner.run(chat("warm up", max_tokens=4))[0]
     entries = len(runner.store.entries())
-    model = runner.provider.model
-    real_call = type(model).__call__
-    armed = {"on": True}
-
-    def failing(self, *a, **kw):
-        if armed["on"]:
-            armed["on"] = False
-            raise RuntimeError("[metal::malloc] Attempting to allocate 99999999999 bytes "
-                               "which is greater than the maximum allowed buffer size of "
-                               "77309411328 bytes.")
-        return real_call(self, *a, **kw)
-
-    monkeypatch.setattr(type(model), "__call__", failing)
+    fail_next_model_call(runner, monkeypatch,
+                         "[metal::malloc] Attempting to allocate 99999999999 bytes which is "
+                         "greater than the maximum allowed buffer size of 77309411328 bytes.")
     with pytest.raises(PromptError, match="larger buffer"):
         runner.run(chat("too big", max_tokens=4))
     monkeypatch.undo()
