@@ -122,10 +122,10 @@ class InternalError(RuntimeError):
 def is_out_of_memory(error: BaseException) -> bool:
     """An MLX allocation failure ("[metal::malloc] Unable to allocate ...",
     "[malloc] ...", "[cuda::malloc] ...")."""
+    if isinstance(error, MemoryError):
+        return True
     text = str(error)
-    return isinstance(error, (RuntimeError, MemoryError)) and (
-        isinstance(error, MemoryError) or "malloc]" in text or "Unable to allocate" in text
-    )
+    return isinstance(error, RuntimeError) and ("malloc]" in text or "Unable to allocate" in text)
 
 
 def request_error(error: Exception, what: str) -> Exception:
@@ -223,7 +223,7 @@ class Engine:
             f"{self.cli_args.step_timeout:g}); the process exits in {grace:g} s"
         )
         logging.critical(f"Watchdog: {self.unhealthy_reason}")
-        error = EngineUnavailable(f"Generation engine unavailable: {self.unhealthy_reason}")
+        error = self._unavailable()
         held = []
         try:
             batch = self._batch
@@ -313,16 +313,18 @@ class Engine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.unhealthy_reason is None
 
+    def _unavailable(self) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
+        )
+
     def submit(self, channel, request, args):
         if not self.is_healthy:
-            raise EngineUnavailable(
-                f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
-            )
+            raise self._unavailable()
         self.requests.put((channel, request, args))
         if self.hung:
             # The watchdog drained the queue before this put landed.
-            self._fail_queue(EngineUnavailable(
-                f"Generation engine unavailable: {self.unhealthy_reason}"))
+            self._fail_queue(self._unavailable())
 
     def clear_cache(self):
         """Drop every prompt cache entry; MLX's buffer cache follows on the
