@@ -14,16 +14,17 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from aiohttp import web
-from mlx_lm.server import _image_parts, _image_url
+from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
 from .engine import Channel, EngineUnavailable, InternalError, PromptError
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
 from .validation import RequestError, parse_request
 from .vision import decode_images
+from .wire import Completion, WireProtocol
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # Endpoints that change the server's state or show what other clients sent.
@@ -69,6 +70,14 @@ class Server:
         self.in_flight = 0
         self.metrics = metrics
         self._decoding = asyncio.Semaphore(2)
+        # Wire protocols beyond chat completions, by the paths they serve.
+        self.protocols: List[WireProtocol] = []
+
+    def add_protocol(self, protocol: WireProtocol) -> None:
+        self.protocols.append(protocol)
+
+    def protocol_for(self, path: str) -> Optional[WireProtocol]:
+        return next((p for p in self.protocols if p.serves(path)), None)
 
     @property
     def max_in_flight(self) -> int:
@@ -104,6 +113,9 @@ class Server:
         )
 
     def error(self, request, message: str, status: int = 400) -> web.Response:
+        protocol = self.protocol_for(request.path)
+        if protocol is not None:
+            return self.json_response(request, protocol.error_body(message, status), status)
         return self.json_response(request, {"error": message}, status)
 
     def unavailable(self, request, message: str, retry_after: int = 1) -> web.Response:
@@ -128,6 +140,9 @@ class Server:
         # from /v1/stats, which the key guards (the page asks for the key).
         if not key or request.path in ("/health", "/dashboard"):
             return True
+        # Anthropic's clients send the key as x-api-key.
+        if "x-api-key" in request.headers:
+            return hmac.compare_digest(request.headers["x-api-key"].encode(), key.encode())
         given = request.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
@@ -181,6 +196,14 @@ class Server:
                     request, f"{request.path} refuses {why}: call it from this "
                     "server's own pages or a non-browser client, by address or "
                     "localhost (or start the server with --api-key and send the key)", 403)
+        protocol = self.protocol_for(request.path)
+        if protocol is not None:
+            if request.method == "POST" and request.path in protocol.paths:
+                return await self.handle_completion(request, protocol)
+            answer = protocol.route(request.method, request.path)
+            if answer is not None:
+                return self.json_response(request, answer[1], answer[0])
+            return self.error(request, f"Not found: {request.method} {request.path}", 404)
         if request.method == "GET":
             if request.path.startswith("/v1/models"):
                 return await self.handle_models(request)
@@ -352,7 +375,8 @@ class Server:
         sizes = [s for s in sizes if isinstance(s, int)]
         return max(sizes) if sizes else None
 
-    async def handle_completion(self, request: web.Request):
+    async def handle_completion(self, request: web.Request,
+                                protocol: Optional[WireProtocol] = None):
         track = _Tracker(request.path)
         response = None
         try:
@@ -369,7 +393,7 @@ class Server:
             else:
                 self.in_flight += 1
                 try:
-                    response = await self._handle_completion(request, track)
+                    response = await self._handle_completion(request, track, protocol)
                 finally:
                     self.in_flight -= 1
             return response
@@ -381,10 +405,15 @@ class Server:
             if self.metrics is not None:
                 self.metrics.observe(track.finish(response))
 
-    async def _handle_completion(self, request: web.Request, track: "_Tracker"):
+    async def _handle_completion(self, request: web.Request, track: "_Tracker",
+                                 protocol: Optional[WireProtocol] = None):
         try:
             body = await self._read_body(request)
-            parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
+            if protocol is None:
+                parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
+            else:
+                parsed = protocol.parse(request.path, body, self.cli_args,
+                                        self._vocab_size())
             if getattr(self.cli_args, "allow_remote_images", False):
                 # Only once the whole request validated.
                 await inline_remote_images(parsed.request, self.cli_args)
@@ -394,6 +423,10 @@ class Server:
         track.record.model = parsed.requested_model
         track.record.stream = parsed.stream
 
+        if protocol is not None and not self.cli_args.allow_model_loading:
+            # Agent clients name their own models (claude-..., gpt-...): with
+            # one model served, any name means it, and is echoed back.
+            parsed.args.model = ModelDescription("default_model", "default_model", None)
         if not self.model_provider.is_served(parsed.args.model):
             desc = parsed.args.model
             return self.error(
@@ -404,20 +437,25 @@ class Server:
                 404,
             )
 
-        if request.path == "/v1/completions":
-            request_id, object_type = f"cmpl-{uuid.uuid4()}", "text_completion"
+        exchange = builder = None
+        if protocol is not None:
+            exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
+            track.record.id = exchange.id
         else:
-            request_id = f"chatcmpl-{uuid.uuid4()}"
-            object_type = "chat.completion.chunk" if parsed.stream else "chat.completion"
-        track.record.id = request_id
-        builder = ResponseBuilder(
-            request_id=request_id,
-            object_type=object_type,
-            model=parsed.requested_model,
-            created=int(time.time()),
-            system_fingerprint=self.system_fingerprint,
-            stream=parsed.stream,
-        )
+            if request.path == "/v1/completions":
+                request_id, object_type = f"cmpl-{uuid.uuid4()}", "text_completion"
+            else:
+                request_id = f"chatcmpl-{uuid.uuid4()}"
+                object_type = "chat.completion.chunk" if parsed.stream else "chat.completion"
+            track.record.id = request_id
+            builder = ResponseBuilder(
+                request_id=request_id,
+                object_type=object_type,
+                model=parsed.requested_model,
+                created=int(time.time()),
+                system_fingerprint=self.system_fingerprint,
+                stream=parsed.stream,
+            )
 
         channel = AsyncChannel(asyncio.get_running_loop())
         try:
@@ -437,6 +475,9 @@ class Server:
                 first = await channel.get()
             if isinstance(first, Exception) and opened is not None:
                 track.error = str(first)
+                if exchange is not None:
+                    await opened.write(exchange.stream_error(str(first), _status_of(first)))
+                    return opened
                 await opened.write(f"data: {json.dumps({'error': str(first)})}\n\n".encode())
                 await opened.write(b"data: [DONE]\n\n")
                 return opened
@@ -445,6 +486,9 @@ class Server:
             if isinstance(first, Exception):
                 return self.error(request, str(first), _status_of(first))
             ctx = first
+            if exchange is not None:
+                return await self._exchange(request, channel, ctx, parsed, exchange, track,
+                                            opened)
             assembler = CompletionAssembler(
                 ctx,
                 parsed.request.tools,
@@ -460,6 +504,67 @@ class Server:
         finally:
             # Whatever happened (done, error, disconnect), the engine may stop.
             channel.cancel()
+
+    async def _exchange(self, request, channel, ctx, parsed, exchange, track, opened):
+        """A wire protocol's answer (wire.py): the same events as chat
+        completions, written by the protocol's Exchange."""
+        assembler = CompletionAssembler(ctx, parsed.request.tools, True, False, 0)
+        track.accepted(ctx, assembler)
+        if parsed.request.count_only:
+            while await channel.get() is not None:
+                pass
+            return self.json_response(request, exchange.count_body(len(ctx.prompt)))
+        response = None
+        if parsed.stream:
+            response = opened or await self._open_stream(request)
+            await response.write(exchange.start(len(ctx.prompt), ctx.prompt_cache_count or 0))
+        try:
+            while True:
+                item = await channel.get()
+                if item is None:
+                    break
+                if isinstance(item, tuple):
+                    if response is not None:
+                        await response.write(f": keepalive {item[0]}/{item[1]}\n\n".encode())
+                    continue
+                if isinstance(item, Exception):
+                    status = 503 if isinstance(item, EngineUnavailable) else 500
+                    if response is None:
+                        if status == 503:
+                            return self.unavailable(request, str(item))
+                        return self.error(request, str(item), status)
+                    logging.error(f"Generation failed mid-stream: {item}")
+                    track.error = str(item)
+                    await response.write(exchange.stream_error(str(item), status))
+                    return response
+                if track.first is None:
+                    track.first = time.perf_counter()
+                if assembler.add(item):
+                    frames = exchange.delta(*assembler.take_delta())
+                    if response is not None and frames:
+                        await response.write(frames)
+            assembler.finish()
+            frames = exchange.delta(*assembler.take_delta())
+            completion = Completion(
+                finish_reason=assembler.finish_reason,
+                stop_sequence=_stop_sequence(ctx, assembler),
+                prompt_tokens=len(ctx.prompt),
+                completion_tokens=len(assembler.tokens),
+                cached_tokens=ctx.prompt_cache_count or 0,
+            )
+            if response is None:
+                return self.json_response(request, exchange.body(completion))
+            await response.write(frames + exchange.finish(completion))
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            if response is None:
+                raise  # dispatch answers a 500 in the protocol's shape
+            logging.exception("Unhandled error in a stream")
+            track.error = f"Internal server error: {type(e).__name__}: {e}"
+            await response.write(exchange.stream_error(track.error, 500))
+            return response
 
     async def _complete(self, request, channel, ctx, assembler, builder, track):
         while True:
@@ -618,6 +723,18 @@ class _Tracker:
             elif r.status != 200:
                 r.finish_reason = "error"
         return r
+
+
+def _stop_sequence(ctx, assembler) -> Optional[str]:
+    """The stop word that ended a generation: its tokens end the output
+    (the engine put each stop word's tokens on the context)."""
+    if assembler.finish_reason != "stop":
+        return None
+    tokens = assembler.tokens
+    for word, ids in getattr(ctx, "stop_word_tokens", ()):
+        if ids and len(tokens) >= len(ids) and tuple(tokens[-len(ids):]) == ids:
+            return word
+    return None
 
 
 def _status_of(error: Exception) -> int:

@@ -11,6 +11,7 @@ from aiohttp import web
 from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+from .anthropic_api import AnthropicProtocol
 from .api import RUNNER_OPTIONS, Server, make_app
 from .cache import PromptStore, default_budget
 from .engine import Engine
@@ -36,6 +37,7 @@ def build(cli_args):
     )
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
+    server.add_protocol(AnthropicProtocol(cli_args.strip_billing_header))
     if not cli_args.disable_metrics:
         server.metrics = Metrics(engine, in_flight=lambda: server.in_flight)
         engine.metrics = server.metrics

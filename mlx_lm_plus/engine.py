@@ -419,12 +419,15 @@ class Engine:
             self._state_machines[key] = (
                 make_stop_sequences(tokenizer, stop_words),
                 make_text_state_machine(tokenizer, stop_words),
+                [(w, tuple(tokenizer.encode(w, add_special_tokens=False)))
+                 for w in stop_words],
             )
         return self._state_machines[key]
 
     def _context(self, tokenizer, plan, args):
         """(GenerationContext, StopSequences) of a planned request."""
-        stop_sequences, text_sm = self._state_machine(tokenizer, args.stop_words)
+        stop_sequences, text_sm, stop_word_tokens = self._state_machine(
+            tokenizer, args.stop_words)
         ctx = GenerationContext(
             has_tool_calling=tokenizer.has_tool_calling,
             has_thinking=tokenizer.has_thinking,
@@ -434,6 +437,8 @@ class Engine:
             prompt=plan.tokens,
         )
         ctx.images = len(plan.vision.starts) if plan.vision is not None else 0
+        # Which stop word ended a generation (Anthropic's stop_sequence).
+        ctx.stop_word_tokens = stop_word_tokens
         return ctx, stop_sequences
 
     def _plan(self, tokenizer, request, args):
@@ -685,6 +690,9 @@ class Engine:
         same_model = (
             batch is not None and self.model_provider.key_for(args.model) == batch.model_key
         )
+        if getattr(req, "count_only", False) and (batch is None or same_model):
+            self._count(channel, req, args, batch)
+            return False
         if same_model and batchable:
             batch.insert(channel, req, args)
             return False
@@ -706,6 +714,23 @@ class Engine:
         self._batch = _Batch(self, model, tokenizer, stream)
         self._pending.append(request)
         return False
+
+    def _count(self, channel, request, args, batch):
+        """Plan a request and answer its context only: the prompt's size, as
+        the same request would be generated (count_tokens)."""
+        if batch is not None:
+            tokenizer = batch.tokenizer
+        else:
+            try:
+                _, tokenizer = self._load(args)
+            except ModelLoadError as e:
+                channel.put(e)
+                return
+        plan = self._plan(tokenizer, request, args)  # PromptError: the guard answers
+        ctx, _ = self._context(tokenizer, plan, args)
+        ctx.prompt_cache_count = 0
+        channel.put(ctx)
+        channel.put(None)
 
     def _forget(self, channel):
         """Drop every reference the generation thread holds to `channel`."""

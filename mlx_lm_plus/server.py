@@ -324,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
         "client make the server read from its own machine and network (local "
         "services, cloud metadata endpoints) (default: only global addresses)",
     )
+    parser.add_argument(
+        "--strip-billing-header",
+        action="store_true",
+        help="(mlx_lm_plus) Remove Claude Code's 'x-anthropic-billing-header:' "
+        "lines from /v1/messages system prompts. They change with every request, "
+        "so without this the prompt cache reuses nothing of a Claude Code session "
+        "(the model then doesn't see them; default: kept)",
+    )
     return parser
 
 

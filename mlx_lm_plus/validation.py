@@ -39,6 +39,8 @@ class Request(CompletionRequest):
     messages' image parts; None: not decoded yet)."""
 
     images: Optional[List[Any]] = None
+    # Plan the prompt and answer its size only (/v1/messages/count_tokens).
+    count_only: bool = False
 
 
 @dataclass
@@ -48,6 +50,9 @@ class ParsedRequest:
     stream: bool
     stream_options: Optional[Dict[str, Any]]
     requested_model: str
+    # What a wire protocol other than chat completions keeps from its own
+    # request for its answer (wire.py).
+    extra: Any = None
 
 
 def _validate(params, name, expected_type, min_val=None, max_val=None,

@@ -129,6 +129,63 @@ CASES = [
     ]],
 ]
 
+MESSAGES = "/v1/messages"
+
+
+def message(**kw):
+    return {"model": "claude-x", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def tool_turns(result_id):
+    return [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": result_id, "content": "sun"}]}]
+
+
+# Anthropic Messages bodies: each gets Anthropic's error shape.
+MESSAGES_CASES = [
+    *[(MESSAGES, body) for body in [
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
+        message(max_tokens="many"), message(max_tokens=0), message(max_tokens=True),
+        message(model=None), message(model=5), message(messages=[]), message(messages="hi"),
+        message(messages=[{"role": "system", "content": "x"}]),
+        message(messages=[{"role": "user", "content": 5}]),
+        message(messages=[{"role": "user", "content": [{"type": "video", "url": "x"}]}]),
+        message(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        message(messages=[{"role": "user", "content": ["just a string"]}]),
+        message(messages=[{"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}]),
+        message(messages=tool_turns("toolu_2")),  # an unknown tool id
+        message(messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]),
+        message(messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "%%% not base64"}}]}]),
+        message(messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/tiff", "data": "AAAA"}}]}]),
+        message(messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),  # not a PNG
+        message(messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "file", "file_id": "f"}}]}]),
+        message(system=5), message(system=[{"type": "image"}]),
+        message(tools="all"), message(tools=[{"name": "f"}]),
+        message(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+        message(tools=[{"input_schema": {}}]),
+        message(tool_choice={"type": "tool", "name": "missing"}),
+        message(tool_choice={"type": "sometimes"}), message(tool_choice="auto"),
+        message(thinking={"type": "enabled"}), message(thinking={"type": "maybe"}),
+        message(thinking=True), message(output_config={"effort": "extreme"}),
+        message(stop_sequences="END"), message(stop_sequences=[1]),
+        message(temperature="hot"), message(top_k=-1), message(top_p=7),
+        message(stream="yes"), message(metadata="m"),
+    ]],
+    (MESSAGES, b"{not json"), (MESSAGES, b"[]"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": []}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+]
+
 # Cases that reach model loading with --allow-model-loading.
 LOADING_CASES = [(CHAT, chat(draft_model=value)) for value in ([], {"a": 1}, 5, None)]
 
@@ -170,6 +227,20 @@ def test_bad_request_is_4xx_and_harmless(server, path, body):
     assert server.get("/health") == (200, {"status": "ok"})
     status, r = server.post(CHAT, chat())
     assert status == 200 and r["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path,body", MESSAGES_CASES,
+                         ids=[f"messages-{i}" for i in range(len(MESSAGES_CASES))])
+def test_bad_messages_request_is_anthropic_4xx_and_harmless(server, path, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, headers, data = server.request("POST", path, raw=raw)
+    assert 400 <= status < 500, (status, data[:300])
+    error = json.loads(data)
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert isinstance(error["error"]["message"], str) and error["error"]["message"]
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, r = server.post(MESSAGES, message())
+    assert status == 200 and r["usage"]["output_tokens"] == 2
 
 
 def test_an_error_inside_the_engine_fails_only_that_request(fixture_path):

@@ -1,0 +1,85 @@
+"""What a wire protocol gives the server, beyond OpenAI's chat completions.
+
+A protocol (Anthropic Messages, OpenAI Responses) translates its request
+body into the same `ParsedRequest` chat completions make (messages, tools,
+sampling, thinking switch), so everything behind it - the prompt plan, the
+batch, the cache and its checkpoints, the limits, disconnects, metrics - is
+shared. On the way back, the server feeds an `Exchange` the assembler's
+deltas (text, tool calls, reasoning) and the end; the exchange writes the
+protocol's own SSE frames and final body. No I/O happens in either, so both
+directions are testable alone.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class Completion:
+    """How a generation ended, and what it cost."""
+
+    finish_reason: str  # the assembler's: "stop", "length", "tool_calls"
+    stop_sequence: Optional[str]  # the stop word that ended it, if one did
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens reused from the prompt cache
+
+
+class Exchange:
+    """One request's answer in one protocol. Streaming: `start`, `delta`...,
+    `finish` return the SSE frames to send; not streaming, `delta` only
+    accumulates and `body` is the JSON answer."""
+
+    id: str = ""
+
+    def start(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        """The stream's first frames, once the engine accepted the request."""
+        return b""
+
+    def delta(self, text: str, tool_calls: List[dict], reasoning: str) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, completion: Completion) -> bytes:
+        raise NotImplementedError
+
+    def body(self, completion: Completion) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_error(self, message: str, status: int) -> bytes:
+        raise NotImplementedError
+
+    def count_body(self, input_tokens: int) -> Dict[str, Any]:
+        """The answer to a request planned only (`Request.count_only`)."""
+        return {"input_tokens": input_tokens}
+
+
+class WireProtocol:
+    """The request side of a protocol, and its error shape."""
+
+    # The POST paths that generate (or count), and the prefix of every path
+    # this protocol answers (its errors take the protocol's shape).
+    paths: tuple = ()
+    prefix: str = ""
+
+    def serves(self, path: str) -> bool:
+        return path in self.paths or (bool(self.prefix) and path.startswith(self.prefix))
+
+    def route(self, method: str, path: str):
+        """(status, body) for a request that doesn't generate, or None."""
+        return None
+
+    def parse(self, path: str, body: Any, cli, vocab_size: Optional[int]):
+        """-> validation.ParsedRequest (raises RequestError)."""
+        raise NotImplementedError
+
+    def error_body(self, message: str, status: int) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def exchange(self, parsed, request_id: str) -> Exchange:
+        raise NotImplementedError
+
+
+def sse(event: str, data: Dict[str, Any]) -> bytes:
+    """One named server-sent event."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
