@@ -17,6 +17,7 @@ from .cache import PromptStore, default_budget
 from .engine import Engine
 from .metrics import Metrics
 from .models import ModelProvider, resolve_default_model
+from .responses_api import ResponsesProtocol
 
 
 def build(cli_args):
@@ -38,6 +39,11 @@ def build(cli_args):
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
     server.add_protocol(AnthropicProtocol(cli_args.strip_billing_header))
+    server.add_protocol(ResponsesProtocol(
+        max_responses=cli_args.responses_store_size,
+        max_bytes=cli_args.responses_store_bytes,
+        ttl=cli_args.responses_store_ttl or None,
+    ))
     if not cli_args.disable_metrics:
         server.metrics = Metrics(engine, in_flight=lambda: server.in_flight)
         engine.metrics = server.metrics

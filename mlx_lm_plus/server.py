@@ -34,6 +34,10 @@ OUR_FLAGS = (
     "--step-timeout",
     "--watchdog-grace",
     "--max-request-image-pixels",
+    "--strip-billing-header",
+    "--responses-store-size",
+    "--responses-store-bytes",
+    "--responses-store-ttl",
 )
 
 
@@ -331,6 +335,28 @@ def build_parser() -> argparse.ArgumentParser:
         "lines from /v1/messages system prompts. They change with every request, "
         "so without this the prompt cache reuses nothing of a Claude Code session "
         "(the model then doesn't see them; default: kept)",
+    )
+    parser.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="(mlx_lm_plus) Responses kept for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used first out (default: 1000; "
+        "0: none kept)",
+    )
+    parser.add_argument(
+        "--responses-store-bytes",
+        type=_parse_size,
+        default=256 * 1024**2,
+        help="(mlx_lm_plus) Bytes of stored responses and their conversations, "
+        "as JSON (default: 256MB)",
+    )
+    parser.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=86400.0,
+        help="(mlx_lm_plus) Seconds a stored response is kept (default: 86400; "
+        "0: no expiry)",
     )
     return parser
 

@@ -151,7 +151,7 @@ MESSAGES_CASES = [
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
         message(max_tokens="many"), message(max_tokens=0), message(max_tokens=True),
         message(model=None), message(model=5), message(messages=[]), message(messages="hi"),
-        message(messages=[{"role": "system", "content": "x"}]),
+        message(messages=[{"role": "tool", "content": "x"}]),
         message(messages=[{"role": "user", "content": 5}]),
         message(messages=[{"role": "user", "content": [{"type": "video", "url": "x"}]}]),
         message(messages=[{"role": "user", "content": [{"type": "text"}]}]),
@@ -184,6 +184,41 @@ MESSAGES_CASES = [
     (MESSAGES, b"{not json"), (MESSAGES, b"[]"),
     ("/v1/messages/count_tokens", {"model": "m", "messages": []}),
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+]
+
+RESPONSES = "/v1/responses"
+
+
+def response(**kw):
+    return {"model": "gpt-x", "max_output_tokens": 2, "input": "hi", **kw}
+
+
+# OpenAI Responses bodies: each gets OpenAI's error object.
+RESPONSES_CASES = [
+    *[(RESPONSES, body) for body in [
+        response(input=None), response(input=5), response(input=[]),
+        response(input=[{"type": "message", "role": "user", "content": 5}]),
+        response(input=[{"type": "message", "role": "robot", "content": "x"}]),
+        response(input=[{"type": "message", "role": "user",
+                         "content": [{"type": "input_video", "url": "x"}]}]),
+        response(input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}]),
+        response(input=[{"type": "function_call", "call_id": "c", "name": "f",
+                         "arguments": 5}]),
+        response(input=[{"type": "item_reference", "id": "msg_1"}]),
+        response(input=[{"type": "mystery"}]),
+        response(input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,%%%"}]}]),
+        response(input=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "file_id": "file_1"}]}]),
+        response(max_output_tokens=0), response(max_output_tokens="9"),
+        response(temperature="hot"), response(top_p=3), response(stream="yes"),
+        response(tools=[{"type": "web_search"}]), response(tools=[{"type": "function"}]),
+        response(tools="all"), response(instructions=5), response(reasoning={"effort": "huge"}),
+        response(reasoning="high"), response(text={"format": {"type": "yaml"}}),
+        response(tool_choice=5), response(background=True), response(model=7),
+        response(previous_response_id=5),
+    ]],
+    (RESPONSES, b"{not json"), (RESPONSES, b"[]"),
 ]
 
 # Cases that reach model loading with --allow-model-loading.
@@ -240,6 +275,19 @@ def test_bad_messages_request_is_anthropic_4xx_and_harmless(server, path, body):
     assert isinstance(error["error"]["message"], str) and error["error"]["message"]
     assert server.get("/health") == (200, {"status": "ok"})
     status, r = server.post(MESSAGES, message())
+    assert status == 200 and r["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.parametrize("path,body", RESPONSES_CASES,
+                         ids=[f"responses-{i}" for i in range(len(RESPONSES_CASES))])
+def test_bad_responses_request_is_openai_4xx_and_harmless(server, path, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, headers, data = server.request("POST", path, raw=raw)
+    assert 400 <= status < 500, (status, data[:300])
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    assert server.get("/health") == (200, {"status": "ok"})
+    status, r = server.post(RESPONSES, response())
     assert status == 200 and r["usage"]["output_tokens"] == 2
 
 

@@ -1,0 +1,856 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE
+/v1/responses/{id}, POST /v1/responses/input_tokens.
+
+The request is translated into a chat-completions body and validated by the
+same `parse_request`, so the prompt plan, cache and batch are those of chat
+completions: the same conversation sent on either API renders the same
+tokens and reuses the same cache entries. The answer is written from the
+assembler's deltas as Responses output items and stream events.
+
+What the Responses fields become:
+  instructions                       -> a system message, first (not carried
+                                        over by previous_response_id)
+  input: a string                    -> one user message
+  message items (developer: system)  -> messages; input_text / output_text
+                                        parts joined, input_image ->
+                                        image_url parts
+  reasoning, message (assistant),    -> one assistant message (as the
+  function_call items in a row          assistant turn they came from):
+                                        reasoning_content, content, tool_calls
+                                        (arguments as JSON text, id = call_id)
+  function_call_output               -> a "tool" message
+  previous_response_id               -> the stored conversation (its messages
+                                        and its output) before `input`
+  tools (function)                   -> chat tools; tool_choice "none" -> no
+                                        tools in the prompt
+  max_output_tokens, temperature, top_p: max_tokens, temperature, top_p
+  reasoning.effort                   -> chat_template_kwargs.enable_thinking
+                                        (none / minimal: off, others: on)
+  text.format json_schema/json_object -> response_format (passed along)
+Usage: input_tokens is the whole prompt, input_tokens_details.cached_tokens
+the part reused from the prompt cache; output_tokens_details.reasoning_tokens
+counts the assembler's chunks that carried reasoning (one per token as the
+server drives an exchange).
+
+Stored responses (store, default true) live in a bounded in-memory store:
+`ResponseStore` (count, JSON bytes, time to live; least recently used first
+out).
+"""
+
+import copy
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .validation import RequestError, parse_request
+from .wire import Completion, Exchange, WireProtocol, sse
+
+RESPONSES = "/v1/responses"
+INPUT_TOKENS = "/v1/responses/input_tokens"
+# The same without /v1, as chat completions has /chat/completions (an SDK
+# whose base URL lacks /v1 calls these).
+ALIASES = ("/responses", "/responses/input_tokens")
+
+# reasoning.effort -> the template's thinking switch.
+THINKING_BY_EFFORT = {
+    "none": False, "minimal": False,
+    "low": True, "medium": True, "high": True, "xhigh": True, "max": True,
+}
+# The error codes a failed response may carry (the SDK's ResponseError.code).
+FAILED_CODES = {400: "invalid_prompt", 404: "server_error"}
+# Sampling fields beyond the Responses API, passed along as chat completions
+# take them (mlx_lm.server's extensions).
+PASSTHROUGH = ("top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "logit_bias", "stop")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+
+
+def _fail(message: str, status: int = 400) -> RequestError:
+    return RequestError(message, status)
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+def not_found(response_id: str) -> RequestError:
+    return _fail(f"Response with id '{response_id}' not found.", 404)
+
+
+# -- the store --
+
+
+@dataclass
+class _Stored:
+    response: Dict[str, Any]
+    # The conversation as chat messages, this response's output included
+    # (its instructions not: a continuation brings its own).
+    messages: List[Dict[str, Any]]
+    size: int
+    at: float
+
+
+class ResponseStore:
+    """Stored responses, at most `max_responses` of them and `max_bytes` of
+    JSON in all (the response and its conversation, counted alone even where
+    conversations share messages), each for `ttl` seconds (None: no limit);
+    the least recently used go first. Lives on the event loop: no locks."""
+
+    def __init__(self, max_responses: int = 1000, max_bytes: int = 256 * 1024**2,
+                 ttl: Optional[float] = 24 * 3600.0, clock=time.monotonic):
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self._clock = clock
+        self._entries: "OrderedDict[str, _Stored]" = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _expire(self) -> None:
+        if self.ttl is None:
+            return
+        now = self._clock()
+        # Use doesn't extend the time to live: the oldest may be anywhere.
+        for key in [k for k, e in self._entries.items() if now - e.at > self.ttl]:
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= entry.size
+
+    def put(self, response: Dict[str, Any], messages: List[Dict[str, Any]]) -> bool:
+        """Store a response (False: it alone is over max_bytes, or the store
+        holds nothing)."""
+        size = len(json.dumps({"response": response, "messages": messages},
+                              ensure_ascii=False).encode())
+        key = response["id"]
+        if key in self._entries:
+            self._drop(key)
+        if self.max_responses < 1 or size > self.max_bytes:
+            return False
+        self._expire()
+        while self._entries and (len(self._entries) >= self.max_responses
+                                 or self.bytes + size > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = _Stored(response, messages, size, self._clock())
+        self.bytes += size
+        return True
+
+    def get(self, key: str) -> Optional[_Stored]:
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def delete(self, key: str) -> bool:
+        self._expire()
+        if key not in self._entries:
+            return False
+        self._drop(key)
+        return True
+
+
+# -- request: items -> chat messages --
+
+
+# Text parts, whichever side wrote them (clients replay output as input).
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text_parts(content, where: str):
+    """A string or a list of text/image parts -> a string, or chat parts
+    when there are images."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(f"{where}: must be a string or a list of content parts")
+    parts = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise _fail(f"{at}.text: must be a string")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal":
+            if not isinstance(part.get("refusal"), str):
+                raise _fail(f"{at}.refusal: must be a string")
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if url is None and part.get("file_id") is not None:
+                raise _fail(f"{at}: images by file_id are not supported by this server; "
+                            "send image_url (a data URL)")
+            if not isinstance(url, str) or not url:
+                raise _fail(f"{at}.image_url: must be a string (a data URL)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "input_file":
+            raise _fail(f"{at}: input_file parts are not supported by this server")
+        else:
+            raise _fail(f"{at}.type: unsupported content part type {kind!r}")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+class _Conversation:
+    """Chat messages built from Responses items, in order.
+
+    The assistant side of a turn (reasoning, then a message, then function
+    calls) becomes one assistant message, as the turn's output would be
+    stored: replaying a response's output items as input and continuing
+    with previous_response_id give the same messages.
+    """
+
+    PHASES = {"reasoning": 0, "content": 1, "tool_calls": 2}
+
+    def __init__(self, call_ids=()):
+        self.messages: List[Dict[str, Any]] = []
+        self.call_ids = set(call_ids)
+        self._turn: Optional[dict] = None
+        self._phase = -1
+
+    def _assistant(self, phase: str) -> dict:
+        p = self.PHASES[phase]
+        if self._turn is None or p < self._phase or (p == self._phase and p != 2):
+            self._turn = {"role": "assistant", "content": ""}
+            self.messages.append(self._turn)
+        self._phase = p
+        return self._turn
+
+    def _other(self, message: dict) -> None:
+        self._turn, self._phase = None, -1
+        self.messages.append(message)
+
+    def add(self, items: list, where: str = "input") -> None:
+        for i, item in enumerate(items):
+            at = f"{where}[{i}]"
+            if not isinstance(item, dict):
+                raise _fail(f"{at}: must be an object")
+            kind = item.get("type")
+            if kind is None and "role" in item:
+                kind = "message"
+            if kind == "message":
+                self._message(item, at)
+            elif kind == "function_call":
+                self._function_call(item, at)
+            elif kind == "function_call_output":
+                self._function_call_output(item, at)
+            elif kind == "reasoning":
+                self._reasoning(item, at)
+            elif kind == "item_reference":
+                raise _fail(f"{at}: item references are not supported by this server; "
+                            "send the items themselves, or use previous_response_id")
+            elif isinstance(kind, str):
+                raise _fail(f"{at}.type: input item type {kind!r} is not supported by "
+                            "this server (message, function_call, function_call_output "
+                            "and reasoning items are)")
+            else:
+                raise _fail(f"{at}.type: missing (an item needs a type, or a role for a "
+                            "message)")
+
+    def _message(self, item: dict, at: str) -> None:
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise _fail(f"{at}.role: must be one of 'user', 'system', 'developer', "
+                        "'assistant'")
+        content = _text_parts(item.get("content"), f"{at}.content")
+        if role == "assistant":
+            if not isinstance(content, str):
+                raise _fail(f"{at}.content: an assistant message takes text only")
+            message = self._assistant("content")
+            message["content"] = content
+            return
+        self._other({"role": "system" if role == "developer" else role, "content": content})
+
+    def _function_call(self, item: dict, at: str) -> None:
+        call_id, name = item.get("call_id"), item.get("name")
+        arguments = item.get("arguments", "")
+        if not isinstance(call_id, str) or not call_id:
+            raise _fail(f"{at}.call_id: must be a non-empty string")
+        if not isinstance(name, str) or not name:
+            raise _fail(f"{at}.name: must be a non-empty string")
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise _fail(f"{at}.arguments: must be a string (JSON text)")
+        if arguments.strip():
+            try:
+                json.loads(arguments)
+            except ValueError as e:
+                raise _fail(f"{at}.arguments: not valid JSON ({e})") from None
+        message = self._assistant("tool_calls")
+        message.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments or "{}"}})
+        self.call_ids.add(call_id)
+
+    def _function_call_output(self, item: dict, at: str) -> None:
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise _fail(f"{at}.call_id: must be a non-empty string")
+        if call_id not in self.call_ids:
+            raise _fail(f"{at}: no tool call found for function call output with call_id "
+                        f"{call_id!r} (a function_call item with this call_id must come "
+                        "before it, in input or in the previous response)")
+        output = _text_parts(item.get("output"), f"{at}.output")
+        self._other({"role": "tool", "tool_call_id": call_id, "content": output})
+
+    def _reasoning(self, item: dict, at: str) -> None:
+        content = item.get("content") or []
+        if not isinstance(content, list):
+            raise _fail(f"{at}.content: must be a list of reasoning_text parts")
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise _fail(f"{at}.content[{i}]: must be a reasoning_text part with text")
+            texts.append(part["text"])
+        summary = item.get("summary", [])
+        if summary is not None and not isinstance(summary, list):
+            raise _fail(f"{at}.summary: must be a list")
+        # The summary and encrypted_content are another model's: only the
+        # reasoning text itself goes back to the template.
+        if texts:
+            message = self._assistant("reasoning")
+            message["reasoning_content"] = "".join(texts)
+
+
+def to_messages(input_, call_ids=()) -> Tuple[List[dict], set]:
+    """`input` as chat messages (and the call ids seen)."""
+    conversation = _Conversation(call_ids)
+    if isinstance(input_, str):
+        conversation.messages.append({"role": "user", "content": input_})
+    elif isinstance(input_, list):
+        conversation.add(input_)
+    elif input_ is not None:
+        raise _fail("input: must be a string or a list of input items")
+    return conversation.messages, conversation.call_ids
+
+
+def output_messages(output: List[dict]) -> List[dict]:
+    """A response's output items as the chat messages they continue with."""
+    conversation = _Conversation()
+    conversation.add(output, "output")
+    return conversation.messages or [{"role": "assistant", "content": ""}]
+
+
+def _call_ids(messages) -> set:
+    return {c.get("id") for m in messages for c in m.get("tool_calls") or ()}
+
+
+# -- request: the other fields --
+
+
+def _tools(tools) -> Tuple[list, Optional[list]]:
+    """(the tools to echo, the chat tools)."""
+    if tools is None:
+        return [], None
+    if not isinstance(tools, list):
+        raise _fail("tools: must be a list")
+    chat = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _fail(f"tools[{i}]: must be an object")
+        kind = tool.get("type")
+        if kind != "function":
+            raise _fail(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
+                        "(only function tools are)")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _fail(f"tools[{i}].name: must be a non-empty string")
+        function = {"name": name}
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise _fail(f"tools[{i}].description: must be a string")
+            function["description"] = tool["description"]
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise _fail(f"tools[{i}].parameters: must be an object (a JSON schema)")
+            function["parameters"] = parameters
+        chat.append({"type": "function", "function": function})
+    echo = [dict(t) for t in tools]
+    return echo, chat or None
+
+
+def _tool_choice(choice, tools) -> Any:
+    """The tool_choice to echo, validated."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
+        return choice
+    if not isinstance(choice, dict):
+        raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise _fail("tool_choice.name: must be a string")
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise _fail(f"tool_choice.name: no function tool named {name!r} in tools")
+        return {"type": "function", "name": name}
+    if kind == "allowed_tools":
+        if choice.get("mode") not in ("auto", "required"):
+            raise _fail("tool_choice.mode: must be 'auto' or 'required'")
+        if not isinstance(choice.get("tools"), list):
+            raise _fail("tool_choice.tools: must be a list")
+        return choice
+    raise _fail(f"tool_choice: type {kind!r} is not supported by this server "
+                "(only function tools are)")
+
+
+def _chat_tool_choice(choice) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict):  # allowed_tools: its mode, for now
+        return choice["mode"]
+    return choice
+
+
+def _text_config(text) -> Tuple[dict, Optional[dict]]:
+    """(text to echo, the chat response_format or None)."""
+    if text is None:
+        return {"format": {"type": "text"}}, None
+    if not isinstance(text, dict):
+        raise _fail("text: must be an object")
+    verbosity = text.get("verbosity")
+    if verbosity is not None and verbosity not in ("low", "medium", "high"):
+        raise _fail("text.verbosity: must be 'low', 'medium' or 'high'")
+    fmt = text.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise _fail("text.format: must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        response_format = None
+    elif kind == "json_object":
+        response_format = {"type": "json_object"}
+    elif kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise _fail("text.format.name: must be a non-empty string")
+        if not isinstance(fmt.get("schema"), dict):
+            raise _fail("text.format.schema: must be an object (a JSON schema)")
+        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
+        response_format = {"type": "json_schema", "json_schema": schema}
+    else:
+        raise _fail("text.format.type: must be 'text', 'json_schema' or 'json_object'")
+    echo = {"format": fmt}
+    if verbosity is not None:
+        echo["verbosity"] = verbosity
+    return echo, response_format
+
+
+def _reasoning(reasoning) -> Tuple[dict, Optional[bool]]:
+    """(reasoning to echo, the thinking switch or None for the template's
+    default)."""
+    if reasoning is None:
+        return {"effort": None, "summary": None}, None
+    if not isinstance(reasoning, dict):
+        raise _fail("reasoning: must be an object")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in THINKING_BY_EFFORT:
+        raise _fail(f"reasoning.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in ("auto", "concise", "detailed"):
+        raise _fail("reasoning.summary: must be 'auto', 'concise' or 'detailed'")
+    echo = {"effort": effort, "summary": summary}
+    return echo, (None if effort is None else THINKING_BY_EFFORT[effort])
+
+
+def _check(body: dict, name: str, types, what: str, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (
+            types if isinstance(types, tuple) else (types,))):
+        raise _fail(f"{name}: must be {what}")
+    return value
+
+
+@dataclass
+class ResponsesRequest:
+    """What the answer needs of the request (ParsedRequest.extra)."""
+
+    echo: Dict[str, Any]
+    # The conversation before this response, without the instructions: what
+    # a continuation starts from.
+    history: List[Dict[str, Any]]
+    store: bool
+    tools: List[dict] = field(default_factory=list)
+
+
+def to_chat_body(body: Any, store: ResponseStore,
+                 count_only: bool = False) -> Tuple[Dict[str, Any], ResponsesRequest]:
+    """A Responses request as a chat-completions body (raises RequestError)."""
+    if not isinstance(body, dict):
+        raise _fail("Request body must be a JSON object")
+    model = _check(body, "model", str, "a string", "default_model")
+    instructions = _check(body, "instructions", str, "a string")
+    stored = _check(body, "store", bool, "a boolean", True)
+    previous_id = _check(body, "previous_response_id", str, "a string")
+    if body.get("conversation") is not None:
+        raise _fail("conversation: conversations are not supported by this server; "
+                    "use previous_response_id")
+    if body.get("prompt") is not None:
+        raise _fail("prompt: prompt templates are not supported by this server")
+    if body.get("background"):
+        raise _fail("background: background responses are not supported by this server")
+    metadata = _check(body, "metadata", dict, "an object of strings", {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise _fail("metadata: must be an object of strings")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        _check(body, name, str, "a string")
+    include = _check(body, "include", list, "a list of strings", [])
+    if not all(isinstance(x, str) for x in include):
+        raise _fail("include: must be a list of strings")
+    truncation = _check(body, "truncation", str, "'auto' or 'disabled'", "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise _fail("truncation: must be 'auto' or 'disabled'")
+    service_tier = _check(body, "service_tier", str, "a string", "auto")
+    top_logprobs = _check(body, "top_logprobs", int, "an integer from 0 to 20")
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise _fail("top_logprobs: must be an integer from 0 to 20")
+    max_tool_calls = _check(body, "max_tool_calls", int, "a positive integer")
+    parallel = _check(body, "parallel_tool_calls", bool, "a boolean", True)
+    _check(body, "stream_options", dict, "an object")
+    max_output = _check(body, "max_output_tokens", int, "a positive integer")
+    if max_output is not None and max_output < 1:
+        raise _fail("max_output_tokens: must be a positive integer")
+
+    echo_tools, tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    text, response_format = _text_config(body.get("text"))
+    reasoning, thinking = _reasoning(body.get("reasoning"))
+
+    history: List[dict] = []
+    if previous_id is not None:
+        previous = store.get(previous_id)
+        if previous is None:
+            raise not_found(previous_id)
+        history = list(previous.messages)
+    if "input" not in body and previous_id is None:
+        raise _fail("input: required (a string or a list of input items)")
+    new, _ = to_messages(body.get("input"), _call_ids(history))
+    history += new
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    if not messages:
+        raise _fail("input: must not be empty")
+
+    chat: Dict[str, Any] = {
+        "model": model,
+        # The engine normalizes messages in place: its own copy.
+        "messages": copy.deepcopy(messages),
+    }
+    if not count_only:
+        chat["stream"] = body.get("stream", False)
+        if max_output is not None:
+            chat["max_tokens"] = max_output
+    if tools and choice != "none":
+        chat["tools"] = tools
+        chat["tool_choice"] = _chat_tool_choice(choice)
+        chat["parallel_tool_calls"] = parallel
+    if response_format is not None:
+        chat["response_format"] = response_format
+    for name in ("temperature", "top_p", *PASSTHROUGH):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _fail("chat_template_kwargs: must be an object")
+    if thinking is not None:
+        kwargs = {**(kwargs or {}), "enable_thinking": thinking}
+    if kwargs is not None:
+        chat["chat_template_kwargs"] = kwargs
+
+    echo = {
+        "model": model,
+        "instructions": instructions,
+        "tools": echo_tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+        "max_output_tokens": max_output,
+        "max_tool_calls": max_tool_calls,
+        "previous_response_id": previous_id,
+        "store": stored,
+        "text": text,
+        "reasoning": reasoning,
+        "metadata": metadata,
+        "truncation": truncation,
+        "service_tier": service_tier if service_tier in SERVICE_TIERS else "auto",
+        "top_logprobs": top_logprobs,
+        "user": body.get("user"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "safety_identifier": body.get("safety_identifier"),
+        "background": False,
+    }
+    return chat, ResponsesRequest(echo, history, stored, echo_tools)
+
+
+# -- the protocol --
+
+
+class ResponsesProtocol(WireProtocol):
+    paths = (RESPONSES, INPUT_TOKENS, *ALIASES)
+    prefix = RESPONSES
+
+    def __init__(self, store: Optional[ResponseStore] = None, *,
+                 max_responses: int = 1000, max_bytes: int = 256 * 1024**2,
+                 ttl: Optional[float] = 24 * 3600.0):
+        self.store = store if store is not None else ResponseStore(
+            max_responses=max_responses, max_bytes=max_bytes, ttl=ttl)
+
+    def serves(self, path):
+        return path in self.paths or path.startswith((RESPONSES + "/", "/responses/"))
+
+    def route(self, method, path):
+        rest = path.split("/responses/", 1)[1] if "/responses/" in path else ""
+        parts = rest.split("/")
+        if len(parts) == 1 and parts[0] and parts[0] != "input_tokens":
+            key = parts[0]
+            if method == "GET":
+                entry = self.store.get(key)
+                if entry is None:
+                    return 404, self.error_body(str(not_found(key)), 404)
+                return 200, entry.response
+            if method == "DELETE":
+                if not self.store.delete(key):
+                    return 404, self.error_body(str(not_found(key)), 404)
+                return 200, {"id": key, "object": "response", "deleted": True}
+        if len(parts) == 2 and parts[1] == "cancel" and method == "POST":
+            if self.store.get(parts[0]) is None:
+                return 404, self.error_body(str(not_found(parts[0])), 404)
+            return 400, self.error_body(
+                "Only background responses can be cancelled, and this server makes "
+                "none: this response is already complete.", 400)
+        return None
+
+    def parse(self, path, body, cli, vocab_size):
+        count_only = path.endswith("/input_tokens")
+        ceiling = getattr(cli, "max_tokens_ceiling", None)
+        if (isinstance(body, dict) and ceiling is not None
+                and isinstance(body.get("max_output_tokens"), int)
+                and body["max_output_tokens"] > ceiling):
+            raise _fail(f"max_output_tokens: must be at most {ceiling} on this server "
+                        "(--max-tokens-ceiling)")
+        chat, extra = to_chat_body(body, self.store, count_only)
+        parsed = parse_request("/v1/chat/completions", chat, cli, vocab_size)
+        # The sampling actually used (the server's defaults when not given).
+        extra.echo["temperature"] = parsed.args.sampling.temperature
+        extra.echo["top_p"] = parsed.args.sampling.top_p
+        parsed.extra = extra
+        if count_only:
+            parsed.request.count_only = True
+            parsed.stream = False
+        return parsed
+
+    def error_body(self, message, status):
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        code = "invalid_api_key" if status == 401 else None
+        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+    def exchange(self, parsed, request_id):
+        return ResponsesExchange(f"resp_{request_id}", parsed.extra, parsed.stream,
+                                 self.store)
+
+
+# -- the answer --
+
+
+class ResponsesExchange(Exchange):
+    """One response: output items in the order generated (reasoning,
+    message, function calls), as a Response object or as its stream of
+    events. Whitespace before any other text is held back, and dropped if
+    no message follows it (between or after function calls)."""
+
+    def __init__(self, response_id: str, request: ResponsesRequest, stream: bool,
+                 store: Optional[ResponseStore] = None):
+        self.id = response_id
+        self.request = request
+        self.stream = stream
+        self.store = store
+        self.created_at = int(time.time())
+        self.output: List[dict] = []
+        self._open: Optional[str] = None  # "reasoning" / "message": the item streamed
+        self._held = ""  # whitespace that may start a message
+        self._seq = 0
+        self._started = False
+        self.reasoning_chunks = 0
+
+    # -- shapes --
+
+    def response(self, status: str, usage=None, error=None, incomplete=None) -> dict:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": incomplete,
+            "output": [copy.deepcopy(item) for item in self.output],
+            "usage": usage,
+            **self.request.echo,
+        }
+
+    @staticmethod
+    def usage(completion: Completion, reasoning_tokens: int) -> dict:
+        return {
+            "input_tokens": completion.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": completion.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": completion.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        }
+
+    def _event(self, kind: str, **fields) -> bytes:
+        if not self.stream:
+            return b""
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse(kind, data)
+
+    # -- items --
+
+    def _close(self, status: str = "completed") -> bytes:
+        if self._open is None:
+            return b""
+        index = len(self.output) - 1
+        item = self.output[index]
+        item["status"] = status
+        self._open = None
+        if not self.stream:
+            return b""
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            done = self._event("response.reasoning_text.done", item_id=item["id"],
+                               output_index=index, content_index=0, text=part["text"])
+        else:
+            done = self._event("response.output_text.done", item_id=item["id"],
+                               output_index=index, content_index=0, text=part["text"],
+                               logprobs=[])
+        return (done
+                + self._event("response.content_part.done", item_id=item["id"],
+                              output_index=index, content_index=0, part=dict(part))
+                + self._event("response.output_item.done", output_index=index,
+                              item=copy.deepcopy(item)))
+
+    def _append(self, kind: str, piece: str) -> bytes:
+        out = b""
+        if self._open != kind:
+            out += self._close()
+            if kind == "reasoning":
+                item = {"id": f"rs_{_hex()}", "type": "reasoning", "summary": [],
+                        "content": [], "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": f"msg_{_hex()}", "type": "message", "status": "in_progress",
+                        "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.output.append(item)
+            self._open = kind
+            index = len(self.output) - 1
+            out += self._event("response.output_item.added", output_index=index,
+                               item=copy.deepcopy(item))
+            item["content"].append(part)
+            out += self._event("response.content_part.added", item_id=item["id"],
+                               output_index=index, content_index=0, part=dict(part))
+        item = self.output[-1]
+        item["content"][0]["text"] += piece
+        index = len(self.output) - 1
+        if kind == "reasoning":
+            return out + self._event("response.reasoning_text.delta", item_id=item["id"],
+                                     output_index=index, content_index=0, delta=piece)
+        return out + self._event("response.output_text.delta", item_id=item["id"],
+                                 output_index=index, content_index=0, delta=piece,
+                                 logprobs=[])
+
+    def _function_call(self, call: dict) -> bytes:
+        out = self._close()
+        self._held = ""
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments if arguments is not None else {},
+                                   ensure_ascii=False)
+        item = {"id": f"fc_{_hex()}", "type": "function_call", "status": "in_progress",
+                "call_id": str(call.get("id") or f"call_{_hex()}"),
+                "name": function.get("name", ""), "arguments": ""}
+        self.output.append(item)
+        index = len(self.output) - 1
+        out += self._event("response.output_item.added", output_index=index,
+                           item=dict(item))
+        item["arguments"] = arguments
+        out += self._event("response.function_call_arguments.delta", item_id=item["id"],
+                           output_index=index, delta=arguments)
+        out += self._event("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=index, arguments=arguments)
+        item["status"] = "completed"
+        return out + self._event("response.output_item.done", output_index=index,
+                                 item=dict(item))
+
+    # -- the Exchange --
+
+    def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> bytes:
+        self._started = True
+        snapshot = self.response("in_progress")
+        return (self._event("response.created", response=snapshot)
+                + self._event("response.in_progress", response=snapshot))
+
+    def delta(self, text, tool_calls, reasoning) -> bytes:
+        out = b""
+        if reasoning:
+            self.reasoning_chunks += 1
+            out += self._append("reasoning", reasoning)
+        if text:
+            if self._open != "message" and not (self._held + text).strip():
+                self._held += text
+            else:
+                text, self._held = self._held + text, ""
+                out += self._append("message", text)
+        for call in tool_calls or ():
+            out += self._function_call(call)
+        return out
+
+    def _end(self, completion: Completion) -> Tuple[bytes, str, dict]:
+        """Close the last item: (its frames, the status, the response)."""
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        frames = self._close(status)
+        reasoning_tokens = min(self.reasoning_chunks, completion.completion_tokens)
+        response = self.response(status, self.usage(completion, reasoning_tokens),
+                                 incomplete=incomplete)
+        self._save(response)
+        return frames, status, response
+
+    def finish(self, completion: Completion) -> bytes:
+        frames, status, response = self._end(completion)
+        return frames + self._event(f"response.{status}", response=response)
+
+    def body(self, completion: Completion) -> Dict[str, Any]:
+        return self._end(completion)[2]
+
+    def stream_error(self, message: str, status: int) -> bytes:
+        out = b"" if self._started else self.start()
+        if self._open is not None:
+            self.output[-1]["status"] = "incomplete"
+            self._open = None
+        code = FAILED_CODES.get(status, "server_error")
+        response = self.response("failed", error={"code": code, "message": message})
+        return out + self._event("response.failed", response=response)
+
+    def count_body(self, input_tokens: int) -> Dict[str, Any]:
+        return {"object": "response.input_tokens", "input_tokens": input_tokens}
+
+    def _save(self, response: dict) -> None:
+        if self.store is None or not self.request.store:
+            return
+        messages = self.request.history + output_messages(response["output"])
+        self.store.put(response, messages)
