@@ -291,9 +291,12 @@ def to_tools(tools) -> Optional[List[dict]]:
             raise _fail(f"tools.{i}.name: Field required (a string)")
         if not isinstance(schema, dict):
             raise _fail(f"tools.{i}.input_schema: Field required (an object)")
-        function = {"name": name, "parameters": schema}
+        # The key order of chat completions' tools (templates dump them as
+        # they are: another order is other tokens, and another cache path).
+        function = {"name": name}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        function["parameters"] = schema
         out.append({"type": "function", "function": function})
     return out or None
 
@@ -377,6 +380,17 @@ def to_chat_body(body: Any, count_only: bool = False,
     thinking = _thinking(body)
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise _fail("output_config: must be an object")
+    output_format = (config or {}).get("format")
+    if output_format is not None:
+        # Structured outputs: {"type": "json_schema", "schema": {...}}.
+        if not (isinstance(output_format, dict) and output_format.get("type") == "json_schema"
+                and isinstance(output_format.get("schema"), dict)):
+            raise _fail("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": output_format["schema"]}}
     return chat
 
 

@@ -19,6 +19,7 @@ from typing import List, Optional
 from aiohttp import web
 from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
+from .constraints import ConstraintError, ForcedToolCall, compile_response_format
 from .engine import Channel, EngineUnavailable, InternalError, PromptError
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
@@ -364,6 +365,25 @@ class Server:
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e
 
+    async def _constrain(self, req):
+        """Structured output, compiled before the request is queued: a schema
+        llguidance can't take is a 400 here (compiling is CPU work: in an
+        executor; repeated schemas are a cache hit)."""
+        choice = req.tool_choice
+        if choice == "required" or isinstance(choice, dict):
+            name = choice["function"]["name"] if isinstance(choice, dict) else None
+            # Compiled by the engine, for the tokenizer of the model it runs.
+            req.constraint = ForcedToolCall(req.tools, name)
+            return
+        if req.response_format is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            req.constraint = await loop.run_in_executor(
+                None, compile_response_format, req.response_format)
+        except ConstraintError as e:
+            raise RequestError(str(e)) from e
+
     def _vocab_size(self):
         tokenizer = self.model_provider.tokenizer
         model = self.model_provider.model
@@ -418,6 +438,7 @@ class Server:
                 # Only once the whole request validated.
                 await inline_remote_images(parsed.request, self.cli_args)
             await self._decode_images(parsed.request)
+            await self._constrain(parsed.request)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model

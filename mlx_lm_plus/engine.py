@@ -57,6 +57,7 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, cache_nbytes, is_plain_kv
+from .constraints import ConstraintError, processor_for
 from .prompt import build_prompt, split_at, template_kwargs
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
@@ -750,6 +751,12 @@ class Engine:
                 mx.random.seed(args.seed)
             sampler = _make_sampler(args, tokenizer)
             logits_processors = _make_logits_processors(args)
+            try:
+                constraint = processor_for(getattr(request, "constraint", None), tokenizer)
+            except ConstraintError as e:
+                raise PromptError(str(e)) from e
+            if constraint is not None:
+                logits_processors.append(constraint)
 
             cache_key = plan.cache_key
             cache, ctx.prompt_cache_count = self._fetch_cache(cache_key)
@@ -829,6 +836,8 @@ class Engine:
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
             self._store(cache_key, cache, "generated")
+            if constraint is not None and constraint.error is not None:
+                channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
             self._log_store()
         except _Cancelled:
@@ -930,6 +939,12 @@ class _Batch:
                     raise  # the admission guard answers 503
                 channel.put(PromptError(f"Could not process the images: {e}"))
                 return
+        try:
+            constraint = processor_for(getattr(request, "constraint", None), tokenizer)
+        except ConstraintError as e:
+            channel.put(PromptError(str(e)))
+            return
+        processors = _make_logits_processors(args) + ([constraint] if constraint else [])
         segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
         if not self.keep_checkpoints:
             segments, segment_types = [sum(segments, [])], ["prompt"]
@@ -940,7 +955,7 @@ class _Batch:
             caches=[cache],
             all_tokens=[plan.tokens[:cached]],
             samplers=[_make_sampler(args, tokenizer)],
-            logits_processors=[_make_logits_processors(args)],
+            logits_processors=[processors],
             stop_sequences=[stop_sequences],
         )
         channel.put(ctx)
@@ -956,6 +971,8 @@ class _Batch:
             # Cache keys of this request: the prompt's key (image ids in
             # place of image tokens), then the tokens it generates.
             "key_prefix": plan.cache_key,
+            # Structured output: a grammar failure fails this request alone.
+            "constraint": constraint,
         }
         del cache
 
@@ -1060,6 +1077,10 @@ class _Batch:
                 # moment it ends finds it.
                 engine.store.insert(self.model_key, self._key(r.uid, r.all_tokens),
                                     r.prompt_cache, "generated")
+                constraint = result["constraint"]
+                if constraint is not None and constraint.error is not None:
+                    result["channel"].put(InternalError(
+                        f"Structured output failed: {constraint.error}"))
                 result["channel"].put(None)
                 engine._log_store()
                 del self.results[r.uid]

@@ -41,6 +41,11 @@ class Request(CompletionRequest):
     images: Optional[List[Any]] = None
     # Plan the prompt and answer its size only (/v1/messages/count_tokens).
     count_only: bool = False
+    # Structured output, as asked (checked here, compiled by the API into
+    # `constraint`, a constraints.Grammar the engine enforces).
+    response_format: Optional[Dict[str, Any]] = None
+    tool_choice: Any = None
+    constraint: Any = None
 
 
 @dataclass
@@ -282,6 +287,31 @@ def _stop_words(body):
     return [s for s in stop if s]
 
 
+def _structured_output(request: Request, body: Dict[str, Any]) -> None:
+    """response_format (both endpoints) and tool_choice (chat), by shape;
+    the schemas themselves are compiled by constraints.py."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise RequestError("response_format must be an object")
+        request.response_format = response_format
+    choice = body.get("tool_choice")
+    if choice is None or request.request_type != "chat":
+        return
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise RequestError("tool_choice must be 'auto', 'none', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}")
+    elif not (isinstance(choice, dict) and choice.get("type") == "function"
+              and isinstance(choice.get("function"), dict)
+              and isinstance(choice["function"].get("name"), str)):
+        raise RequestError("tool_choice must be 'auto', 'none', 'required' or "
+                           "{'type': 'function', 'function': {'name': ...}}")
+    if choice not in ("auto", "none") and not request.tools:
+        raise RequestError("tool_choice names a tool call, but the request has no tools")
+    request.tool_choice = choice
+
+
 def _completion_request(path: str, body: Dict[str, Any]) -> Request:
     if path == "/v1/completions":
         if "prompt" not in body:
@@ -338,6 +368,7 @@ def parse_request(
     request = _completion_request(path, body)
     if request.request_type == "chat":  # a text completion's messages are unused
         _validate_images(body, cli)
+    _structured_output(request, body)
     args = GenerationArguments(
         model=ModelDescription(
             model=p["requested_model"],

@@ -45,11 +45,11 @@ def tokenizer(fixture_path):
 
 
 def test_text_streaming_equals_non_streaming(client):
-    kw = dict(model="claude-sonnet-4-5", max_tokens=10, system=SYSTEM,
+    kw = dict(model="local-coder", max_tokens=10, system=SYSTEM,
               extra_body={"temperature": 0, "top_k": 40, "top_p": 1.0},
               messages=user("Name three rivers of the north."))
     message = client.messages.create(**kw)
-    assert message.model == "claude-sonnet-4-5"  # the name asked for, echoed
+    assert message.model == "local-coder"  # the name asked for, echoed
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 10
     (block,) = message.content
     assert block.type == "text" and block.text
