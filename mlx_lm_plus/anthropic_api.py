@@ -338,7 +338,7 @@ def _thinking(body: dict) -> Optional[bool]:
     effort = config.get("effort")
     if effort is None:
         return None
-    if effort not in THINKING_BY_EFFORT:
+    if not isinstance(effort, str) or effort not in THINKING_BY_EFFORT:
         raise _fail(f"output_config.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
     return THINKING_BY_EFFORT[effort]
 

@@ -19,7 +19,13 @@ from typing import List, Optional
 from aiohttp import web
 from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
-from .constraints import ConstraintError, ForcedToolCall, compile_response_format
+from .constraints import (
+    ConstraintError,
+    ForcedToolCall,
+    compile_response_format,
+    grammar_for,
+    ll_tokenizer,
+)
 from .engine import Channel, EngineUnavailable, InternalError, PromptError
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
@@ -141,11 +147,15 @@ class Server:
         # from /v1/stats, which the key guards (the page asks for the key).
         if not key or request.path in ("/health", "/dashboard"):
             return True
-        # Anthropic's clients send the key as x-api-key.
-        if "x-api-key" in request.headers:
-            return hmac.compare_digest(request.headers["x-api-key"].encode(), key.encode())
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+        # Anthropic's clients send the key as x-api-key; either header will do.
+        # (Header text is bytes decoded with surrogateescape: encoded back
+        # the same way, odd bytes compare instead of raising.)
+        def same(given, expected):
+            return hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                       expected.encode())
+
+        return (same(request.headers.get("x-api-key", ""), key)
+                or same(request.headers.get("Authorization", ""), f"Bearer {key}"))
 
     def foreign_caller(self, request: web.Request) -> Optional[str]:
         """Why an admin request may come from another site's page (None: it
@@ -372,15 +382,18 @@ class Server:
         choice = req.tool_choice
         if choice == "required" or isinstance(choice, dict):
             name = choice["function"]["name"] if isinstance(choice, dict) else None
-            # Compiled by the engine, for the tokenizer of the model it runs.
-            req.constraint = ForcedToolCall(req.tools, name)
+            # The engine compiles it again for the tokenizer of the model
+            # it runs (a cache hit when that is the loaded one, as here).
+            constraint = ForcedToolCall(req.tools, name)
+        elif req.response_format is not None:
+            constraint = req.response_format
+        else:
             return
-        if req.response_format is None:
-            return
+        tokenizer = self.model_provider.tokenizer
         loop = asyncio.get_running_loop()
         try:
             req.constraint = await loop.run_in_executor(
-                None, compile_response_format, req.response_format)
+                None, _compile_constraint, constraint, tokenizer)
         except ConstraintError as e:
             raise RequestError(str(e)) from e
 
@@ -478,6 +491,11 @@ class Server:
                 stream=parsed.stream,
             )
 
+        if parsed.request.count_only and exchange is not None:
+            counted = await self._count(request, parsed, exchange)
+            if counted is not None:
+                return counted
+
         channel = AsyncChannel(asyncio.get_running_loop())
         try:
             self.engine.submit(channel, parsed.request, parsed.args)
@@ -525,6 +543,23 @@ class Server:
         finally:
             # Whatever happened (done, error, disconnect), the engine may stop.
             channel.cancel()
+
+    async def _count(self, request, parsed, exchange):
+        """count_tokens: a text prompt is planned in an executor with the
+        loaded model's tokenizer (rendering a long conversation takes
+        seconds: never between batch steps). None: the engine counts it
+        (images, or the model isn't loaded yet)."""
+        count = getattr(self.engine, "count_prompt", None)
+        if count is None or parsed.request.images:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            n = await loop.run_in_executor(None, count, parsed.request, parsed.args)
+        except PromptError as e:
+            return self.error(request, str(e), 400)
+        if n is None:
+            return None
+        return self.json_response(request, exchange.count_body(n))
 
     async def _exchange(self, request, channel, ctx, parsed, exchange, track, opened):
         """A wire protocol's answer (wire.py): the same events as chat
@@ -744,6 +779,20 @@ class _Tracker:
             elif r.status != 200:
                 r.finish_reason = "error"
         return r
+
+
+def _compile_constraint(constraint, tokenizer):
+    """A request's constraint, checked (a ConstraintError is a 400 before the
+    request is queued) and warmed: llguidance's view of the tokenizer takes
+    about a second to build, here rather than on the generation thread."""
+    if isinstance(constraint, ForcedToolCall):
+        if tokenizer is not None:
+            grammar_for(constraint, tokenizer)
+        return constraint
+    grammar = compile_response_format(constraint)
+    if grammar is not None and tokenizer is not None:
+        ll_tokenizer(tokenizer)
+    return grammar
 
 
 def _stop_sequence(ctx, assembler) -> Optional[str]:

@@ -73,8 +73,18 @@ def _check(grammar: str, what: str, ll_tokenizer: Optional[LLTokenizer] = None) 
         raise ConstraintError(f"{what} is not supported: {reason.strip()}")
 
 
-@functools.lru_cache(maxsize=128)
+# Schemas longer than this are compiled each time rather than kept: the
+# caches hold at most 128 + 64 entries of this size.
+CACHED_SCHEMA_CHARS = 64 * 1024
+
+
 def _compile_schema(key: str, kind: str) -> Grammar:
+    if len(key) > CACHED_SCHEMA_CHARS:
+        return _compile_schema_now(key, kind)
+    return _compile_schema_cached(key, kind)
+
+
+def _compile_schema_now(key: str, kind: str) -> Grammar:
     # Keyed by the canonical JSON, so a client repeating a schema (the usual
     # case) costs one dict lookup. Failures are not cached (lru_cache does not
     # keep exceptions); they are cheap to find again.
@@ -85,6 +95,9 @@ def _compile_schema(key: str, kind: str) -> Grammar:
         raise ConstraintError(f"invalid JSON schema: {e}") from None
     _check(text, "the JSON schema")
     return Grammar(text, kind, schema)
+
+
+_compile_schema_cached = functools.lru_cache(maxsize=128)(_compile_schema_now)
 
 
 def compile_response_format(response_format: Any) -> Optional[Grammar]:
@@ -233,11 +246,13 @@ def tool_call_grammar(
     end = tokenizer.tool_call_end or "</tool_call>"
     start_id, end_id = _single_token(tokenizer, start), _single_token(tokenizer, end)
     # The grammar depends on the tokenizer only through these ids: in the key.
-    return _compile_tools(_canonical([functions, start, end, start_id, end_id, parallel]))
+    key = _canonical([functions, start, end, start_id, end_id, parallel])
+    if len(key) > CACHED_SCHEMA_CHARS:
+        return _compile_tools_now(key)
+    return _compile_tools_cached(key)
 
 
-@functools.lru_cache(maxsize=64)
-def _compile_tools(key: str) -> Grammar:
+def _compile_tools_now(key: str) -> Grammar:
     functions, start, end, start_id, end_id, parallel = json.loads(key)
     # A special token is written <[id]>: the model must emit that one token,
     # not the same characters spelled in pieces (the engine finds tool calls
@@ -261,6 +276,9 @@ def _compile_tools(key: str) -> Grammar:
     text = LLMatcher.grammar_from_lark("\n".join(lines))
     _check(text, "the tool parameters schema")
     return Grammar(text, "tool_call", {"functions": functions})
+
+
+_compile_tools_cached = functools.lru_cache(maxsize=64)(_compile_tools_now)
 
 
 # -- the logits processor ------------------------------------------------------
@@ -313,8 +331,13 @@ class ConstraintProcessor:
     un-consumed); one processor per request, never shared or reused.
     """
 
-    def __init__(self, grammar: Grammar, tokenizer, *, after_think: bool = False):
+    def __init__(self, grammar: Grammar, tokenizer, *, after_think: bool = False,
+                 prompt: Optional[Sequence[int]] = None, may_open_think: bool = True):
         self.grammar = grammar
+        self._prompt = prompt
+        # False for raw text prompts: no template asks the model to think,
+        # so a prompt without markers is constrained from its first token.
+        self._may_open_think = may_open_think
         self.ll = ll_tokenizer(tokenizer)
         self.matcher = LLMatcher(self.ll, grammar.text, log_level=0)
         if self.matcher.is_error():
@@ -355,6 +378,8 @@ class ConstraintProcessor:
             if self.state == _THINKING:
                 return logits
         elif self.state == _MAYBE_THINK and new:
+            # Offered at the first step only: never inside the grammar.
+            self._extra_ids = []
             if new[0] == self._think_start[0]:
                 self.state = _THINKING
                 new = self._skip_thinking(new[1:])
@@ -362,7 +387,6 @@ class ConstraintProcessor:
                     return logits
             else:
                 self.state = _ACTIVE
-            self._extra_ids = []
 
         # Start this step's forward pass now: the mask below only needs the
         # token just read, so it is computed while the model runs.
@@ -379,7 +403,10 @@ class ConstraintProcessor:
         eos[[i for i in self.eos_ids if i < self._vocab]] = True
         self._eos_mask = mx.array(eos)
         if self.after_think:
-            self.state = self._thinking_state(np.array(tokens).tolist())
+            # The whole prompt when known: the sequential path passes only
+            # the tokens after the cached prefix to the processor.
+            prompt = self._prompt if self._prompt is not None else np.array(tokens).tolist()
+            self.state = self._thinking_state(list(prompt))
             if self.state == _MAYBE_THINK:
                 self._extra_ids = [self._think_start[0]]
 
@@ -395,7 +422,9 @@ class ConstraintProcessor:
         # No marker, or one from an earlier turn (templates that keep recent
         # reasoning): the model may open a block itself, if its think-start
         # is one token (the mask can offer it); else constrain at once.
-        return _MAYBE_THINK if len(self._think_start) == 1 else _ACTIVE
+        if len(self._think_start) == 1 and self._may_open_think:
+            return _MAYBE_THINK
+        return _ACTIVE
 
     def _skip_thinking(self, new: List[int]) -> List[int]:
         """Pass tokens while thinking; returns those after the think-end."""
@@ -515,11 +544,21 @@ class ForcedToolCall:
     name: Optional[str] = None
 
 
-def processor_for(constraint, tokenizer) -> Optional["ConstraintProcessor"]:
-    """The logits processor of a request's constraint (a Grammar, a
-    ForcedToolCall, or None). Raises ConstraintError."""
-    if constraint is None:
-        return None
+def grammar_for(constraint, tokenizer) -> Optional[Grammar]:
+    """The grammar of a request's constraint (a Grammar, a ForcedToolCall, or
+    None). Raises ConstraintError."""
     if isinstance(constraint, ForcedToolCall):
-        constraint = tool_call_grammar(constraint.tools, constraint.name, tokenizer=tokenizer)
-    return ConstraintProcessor(constraint, tokenizer, after_think=True)
+        return tool_call_grammar(constraint.tools, constraint.name, tokenizer=tokenizer)
+    return constraint
+
+
+def processor_for(constraint, tokenizer, prompt=None,
+                  chat: bool = True) -> Optional["ConstraintProcessor"]:
+    """The logits processor of a request's constraint, for the request whose
+    prompt is `prompt` (its token ids; `chat`: from a chat template, which may
+    have the model open a thinking block). Raises ConstraintError."""
+    grammar = grammar_for(constraint, tokenizer)
+    if grammar is None:
+        return None
+    return ConstraintProcessor(grammar, tokenizer, after_think=True, prompt=prompt,
+                               may_open_think=chat)

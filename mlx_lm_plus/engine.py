@@ -733,6 +733,24 @@ class Engine:
         channel.put(ctx)
         channel.put(None)
 
+    def count_prompt(self, request, args) -> Optional[int]:
+        """The prompt size of a text request for the model now loaded, planned
+        on the caller's thread (count_tokens). None: not answerable here (no
+        model loaded, another model named, or images to expand)."""
+        provider = self.model_provider
+        tokenizer = provider.tokenizer
+        if (tokenizer is None or provider.model_key is None
+                or provider.key_for(args.model) != provider.model_key
+                or (request.request_type == "chat" and any(_image_parts(request.messages)))):
+            return None
+        kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
+        try:
+            # A copy: templating converts the messages in place.
+            plan = build_prompt(tokenizer, provider.processor, copy.deepcopy(request), kwargs)
+        except Exception as e:
+            raise PromptError(str(e) or type(e).__name__) from e
+        return len(plan.tokens)
+
     def _forget(self, channel):
         """Drop every reference the generation thread holds to `channel`."""
         self._pending = [r for r in self._pending if r[0] is not channel]
@@ -752,9 +770,16 @@ class Engine:
             sampler = _make_sampler(args, tokenizer)
             logits_processors = _make_logits_processors(args)
             try:
-                constraint = processor_for(getattr(request, "constraint", None), tokenizer)
+                constraint = processor_for(getattr(request, "constraint", None), tokenizer,
+                                           plan.tokens, request.request_type == "chat")
             except ConstraintError as e:
                 raise PromptError(str(e)) from e
+            if constraint is not None and draft_model is not None:
+                # Speculation runs the processors on draft tokens it may
+                # reject; a matcher can't follow that.
+                raise PromptError(
+                    "Structured output (response_format, a forced tool_choice) is not "
+                    "available with a draft model (--draft-model)")
             if constraint is not None:
                 logits_processors.append(constraint)
 
@@ -815,7 +840,7 @@ class Engine:
                     Response(
                         gen.text,
                         gen.token,
-                        gen.logprobs[gen.token].item() if args.logprobs else 0.0,
+                        _logprob(gen.logprobs[gen.token].item()) if args.logprobs else 0.0,
                         finish_reason,
                         _format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer),
                     )
@@ -940,7 +965,8 @@ class _Batch:
                 channel.put(PromptError(f"Could not process the images: {e}"))
                 return
         try:
-            constraint = processor_for(getattr(request, "constraint", None), tokenizer)
+            constraint = processor_for(getattr(request, "constraint", None), tokenizer,
+                                       plan.tokens, request.request_type == "chat")
         except ConstraintError as e:
             channel.put(PromptError(str(e)))
             return
@@ -1067,7 +1093,7 @@ class _Batch:
                 Response(
                     detokenizer.last_segment,
                     r.token,
-                    r.logprobs[r.token].item() if result["logprobs"] else 0.0,
+                    _logprob(r.logprobs[r.token].item()) if result["logprobs"] else 0.0,
                     r.finish_reason,
                     _format_top_logprobs(r.logprobs, result["top_logprobs"], self.tokenizer),
                 )
@@ -1126,9 +1152,20 @@ class _Batch:
         store.trim_to(store.max_bytes - self.owned_nbytes())
 
 
+# OpenAI's logprob for "very unlikely": what a token a constraint masked out
+# (-inf, which JSON can't carry) is reported as.
+UNLIKELY = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if value > UNLIKELY else UNLIKELY
+
+
 def _format_top_logprobs(logprobs, top_n, tokenizer):
     """Upstream's top-k entries, sorted by probability (most likely first)."""
     top = _upstream_top_logprobs(logprobs, top_n, tokenizer)
+    for entry in top:
+        entry["logprob"] = _logprob(entry["logprob"])
     return tuple(sorted(top, key=lambda t: -t["logprob"]))
 
 

@@ -39,6 +39,7 @@ out).
 
 import copy
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -283,7 +284,7 @@ class _Conversation:
         if arguments.strip():
             try:
                 json.loads(arguments)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise _fail(f"{at}.arguments: not valid JSON ({e})") from None
         message = self._assistant("tool_calls")
         message.setdefault("tool_calls", []).append(
@@ -386,6 +387,8 @@ def _tool_choice(choice, tools) -> Any:
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
+        if choice == "required" and not tools:
+            raise _fail("tool_choice: 'required' needs function tools")
         return choice
     if not isinstance(choice, dict):
         raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
@@ -455,10 +458,11 @@ def _reasoning(reasoning) -> Tuple[dict, Optional[bool]]:
     if not isinstance(reasoning, dict):
         raise _fail("reasoning: must be an object")
     effort = reasoning.get("effort")
-    if effort is not None and effort not in THINKING_BY_EFFORT:
+    if effort is not None and (not isinstance(effort, str) or effort not in THINKING_BY_EFFORT):
         raise _fail(f"reasoning.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
     summary = reasoning.get("summary")
-    if summary is not None and summary not in ("auto", "concise", "detailed"):
+    if summary is not None and (not isinstance(summary, str)
+                                or summary not in ("auto", "concise", "detailed")):
         raise _fail("reasoning.summary: must be 'auto', 'concise' or 'detailed'")
     echo = {"effort": effort, "summary": summary}
     return echo, (None if effort is None else THINKING_BY_EFFORT[effort])
@@ -852,5 +856,9 @@ class ResponsesExchange(Exchange):
     def _save(self, response: dict) -> None:
         if self.store is None or not self.request.store:
             return
-        messages = self.request.history + output_messages(response["output"])
-        self.store.put(response, messages)
+        try:
+            messages = self.request.history + output_messages(response["output"])
+            self.store.put(response, messages)
+        except Exception:
+            # The answer stands; only a continuation of it will not find it.
+            logging.exception(f"Could not store response {response.get('id')}")

@@ -347,9 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--responses-store-bytes",
         type=_parse_size,
-        default=256 * 1024**2,
+        default=64 * 1024**2,
         help="(mlx_lm_plus) Bytes of stored responses and their conversations, "
-        "as JSON (default: 256MB)",
+        "counted as JSON; held as Python objects they take up to about 5 times "
+        "that (default: 64MB)",
     )
     parser.add_argument(
         "--responses-store-ttl",

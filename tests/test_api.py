@@ -361,3 +361,16 @@ async def test_compressed_bodies_and_odd_paths_get_our_answers(aiohttp_client):
     r = await client.post("/v1/completions", json={"prompt": "hi", "messages": [[]],
                                                    "max_tokens": 2})
     assert r.status == 200, await r.text()  # a text completion's messages are unused
+
+
+async def test_api_key_in_either_header(aiohttp_client):
+    """x-api-key (Anthropic's clients) or Bearer: either one right will do."""
+    engine = ScriptedEngine([ctx(), *tokens("hi")])
+    client = await make_client(aiohttp_client, engine, ["--api-key", "k"])
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for headers, status in [({"x-api-key": "k"}, 200), ({"Authorization": "Bearer k"}, 200),
+                            ({"x-api-key": "wrong", "Authorization": "Bearer k"}, 200),
+                            ({"x-api-key": "wrong"}, 401), ({}, 401),
+                            ({"x-api-key": "\xff\xfe"}, 401)]:
+        r = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status == status, headers

@@ -180,6 +180,9 @@ MESSAGES_CASES = [
         message(stop_sequences="END"), message(stop_sequences=[1]),
         message(temperature="hot"), message(top_k=-1), message(top_p=7),
         message(stream="yes"), message(metadata="m"),
+        message(output_config={"effort": ["low"]}), message(output_config="high"),
+        message(output_config={"format": {"type": "json_schema", "schema": {"type": "frob"}}}),
+        message(tool_choice={"type": "any"}),  # no tools to call
     ]],
     (MESSAGES, b"{not json"), (MESSAGES, b"[]"),
     ("/v1/messages/count_tokens", {"model": "m", "messages": []}),
@@ -216,7 +219,12 @@ RESPONSES_CASES = [
         response(tools="all"), response(instructions=5), response(reasoning={"effort": "huge"}),
         response(reasoning="high"), response(text={"format": {"type": "yaml"}}),
         response(tool_choice=5), response(background=True), response(model=7),
-        response(previous_response_id=5),
+        response(previous_response_id=5), response(reasoning={"effort": []}),
+        response(reasoning={"summary": {}}), response(tool_choice="required"),
+        response(input=[{"type": "function_call", "call_id": "c", "name": "f",
+                         "arguments": "[" * 100000}]),
+        response(text={"format": {"type": "json_schema", "name": "x",
+                                  "schema": {"type": "frob"}}}),
     ]],
     (RESPONSES, b"{not json"), (RESPONSES, b"[]"),
 ]

@@ -21,6 +21,7 @@ from mlx_lm_plus.constraints import (
     ConstraintProcessor,
     compile_response_format,
     mask_cost,
+    processor_for,
     tool_call_grammar,
 )
 from tests.schema_corpus import SAMPLES, SCHEMAS, UNSUPPORTED
@@ -287,6 +288,38 @@ def test_thinking_prompt_states(qwen3):
     brace = tok.encode("{", add_special_tokens=False)[0]
     history(mx.array(earlier + prompt + [brace]), logits)  # it chose the JSON
     assert history.started and history.error is None
+
+
+def test_think_start_is_offered_only_before_the_block(qwen3):
+    """A model that opens a block at the first step and closes it is then
+    held to the grammar: <think> is not offered again (it was, and a model
+    that took it failed its request)."""
+    _, tok = qwen3
+    grammar = compile_response_format({"type": "json_object"})
+    think_start = tok.convert_tokens_to_ids("<think>")
+    think_end = tok.convert_tokens_to_ids("</think>")
+    logits = mx.zeros((1, len(tok.vocab)))
+    proc = ConstraintProcessor(grammar, tok, after_think=True)
+    prompt = prompt_of(tok, "x")
+    proc(mx.array(prompt), logits)
+    word = tok.encode("a", add_special_tokens=False)
+    assert proc(mx.array(prompt + [think_start]), logits) is logits
+    assert proc(mx.array(prompt + [think_start] + word), logits) is logits
+    out = proc(mx.array(prompt + [think_start] + word + [think_end]), logits)
+    assert proc.started and proc.error is None
+    assert not mx.isfinite(out[0, think_start]).item()
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    assert mx.isfinite(out[0, brace]).item()
+
+
+def test_a_text_prompt_without_markers_is_constrained_at_once(qwen3):
+    _, tok = qwen3
+    grammar = compile_response_format({"type": "json_object"})
+    proc = processor_for(grammar, tok, prompt=None, chat=False)
+    out = proc(mx.array(tok.encode("Answer:", add_special_tokens=False)),
+               mx.zeros((1, len(tok.vocab))))
+    assert proc.started
+    assert not mx.isfinite(out[0, tok.convert_tokens_to_ids("<think>")]).item()
 
 
 def test_thinking_end_to_end(qwen3):
