@@ -168,8 +168,8 @@ def test_chat_corpus_concurrently(server):
 
 
 def test_text_completion_json_schema(server):
-    """/v1/completions reads response_format too. The raw prompts here end
-    with a closed think block (see the xfail below for prompts without one)."""
+    """/v1/completions reads response_format too, here on raw prompts that end
+    with a closed think block (plain prompts: the next test)."""
     names = ["person", "nested_address", "refs_defs", "enum_strings", "array_of_objects"]
     answers = post_all(server, [("/v1/completions", {
         "prompt": f"Question {i}: give me a {name} as JSON.\nAnswer: <think>\n\n</think>\n\n",
@@ -183,6 +183,8 @@ def test_text_completion_json_schema(server):
 
 
 def test_text_completion_json_schema_plain_prompt(server):
+    """A raw prompt is constrained from its first token: <think> is not
+    offered (it was, and the fixture took it: text '' and "length")."""
     status, r = server.post("/v1/completions", {
         "prompt": "person please", "max_tokens": 200,
         "response_format": schema_format(CORPUS["person"])})
