@@ -46,6 +46,24 @@ class Row:
     text: str
 
 
+async def stream_events(response):
+    """The JSON events of a chat-completions SSE response, in order (an
+    error event raises)."""
+    async for line in response.content:
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(event["error"])
+        yield event
+
+
+def delta_text(choice: dict) -> str:
+    """The text a streamed choice carries: content and reasoning."""
+    delta = choice.get("delta", {})
+    return (delta.get("content") or "") + (delta.get("reasoning") or "")
+
+
 @dataclass
 class Client:
     """Streams chat completions from one server and keeps a Row for each."""
@@ -79,17 +97,11 @@ class Client:
                 parts = [message.get("content") or ""]
                 ids = [c["id"] for c in reply["choices"][0]["logprobs"]["content"]]
             else:
-                async for line in r.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(event["error"])
+                async for event in stream_events(r):
                     if event.get("usage"):
                         usage = event["usage"]
                     for choice in event.get("choices", []):
-                        delta = choice.get("delta", {})
-                        piece = (delta.get("content") or "") + (delta.get("reasoning") or "")
+                        piece = delta_text(choice)
                         if piece:
                             if first is None:
                                 first = time.perf_counter() - start

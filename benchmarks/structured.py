@@ -46,6 +46,7 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
+from benchmarks.harness import delta_text, stream_events
 from compat.launch import OURS, ServerProcess
 
 # A nested object whose JSON can not be complete within a few hundred tokens:
@@ -107,17 +108,11 @@ async def _one(session, url: str, i: int, max_tokens: int, constrained: bool) ->
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"{r.status}: {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
+        async for event in stream_events(r):
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices", []):
-                delta = choice.get("delta", {})
-                piece = (delta.get("content") or "") + (delta.get("reasoning") or "")
+                piece = delta_text(choice)
                 if piece:
                     now = time.perf_counter()
                     first = now if first is None else first

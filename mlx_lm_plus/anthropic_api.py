@@ -33,7 +33,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from .validation import RequestError, parse_request
-from .wire import Completion, Exchange, WireProtocol, sse
+from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -61,22 +61,18 @@ THINKING_BY_EFFORT = {"low": False, "medium": True, "high": True, "max": True}
 BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 
 
-def _fail(message: str) -> RequestError:
-    return RequestError(message, 400)
-
-
 def _text_of(blocks, where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
-        raise _fail(f"{where}: must be a string or a list of text blocks")
+        raise RequestError(f"{where}: must be a string or a list of text blocks")
     parts = []
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise _fail(f"{where}.{i}: only text blocks are allowed here")
+            raise RequestError(f"{where}.{i}: only text blocks are allowed here")
         if not isinstance(block.get("text"), str):
-            raise _fail(f"{where}.{i}.text: Field required (a string)")
+            raise RequestError(f"{where}.{i}.text: Field required (a string)")
         parts.append(block["text"])
     return "\n\n".join(parts)
 
@@ -84,26 +80,38 @@ def _text_of(blocks, where: str) -> str:
 def _image_part(block: dict, where: str) -> dict:
     source = block.get("source")
     if not isinstance(source, dict):
-        raise _fail(f"{where}.source: Field required")
+        raise RequestError(f"{where}.source: Field required")
     kind = source.get("type")
     if kind == "base64":
         media_type, data = source.get("media_type"), source.get("data")
         if media_type not in IMAGE_TYPES:
-            raise _fail(f"{where}.source.media_type: must be one of {', '.join(IMAGE_TYPES)}")
+            raise RequestError(f"{where}.source.media_type: must be one of {', '.join(IMAGE_TYPES)}")
         if not isinstance(data, str):
-            raise _fail(f"{where}.source.data: Field required (base64 text)")
+            raise RequestError(f"{where}.source.data: Field required (base64 text)")
         try:
             base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise _fail(f"{where}.source.data: invalid base64 data ({e})") from e
+            raise RequestError(f"{where}.source.data: invalid base64 data ({e})") from e
         url = f"data:{media_type};base64,{data}"
     elif kind == "url":
         url = source.get("url")
         if not isinstance(url, str):
-            raise _fail(f"{where}.source.url: Field required (a string)")
+            raise RequestError(f"{where}.source.url: Field required (a string)")
     else:
-        raise _fail(f"{where}.source.type: must be 'base64' or 'url'")
+        raise RequestError(f"{where}.source.type: must be 'base64' or 'url'")
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _content_part(block: dict, at: str) -> Optional[dict]:
+    """A text or image block as a chat part (None: another kind of block)."""
+    kind = block.get("type")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise RequestError(f"{at}.text: Field required (a string)")
+        return {"type": "text", "text": block["text"]}
+    if kind == "image":
+        return _image_part(block, at)
+    return None
 
 
 def _user_parts(blocks: list, where: str, tool_ids: set, messages: list) -> None:
@@ -113,20 +121,17 @@ def _user_parts(blocks: list, where: str, tool_ids: set, messages: list) -> None
     for i, block in enumerate(blocks):
         at = f"{where}.content.{i}"
         if not isinstance(block, dict):
-            raise _fail(f"{at}: must be an object")
+            raise RequestError(f"{at}: must be an object")
         kind = block.get("type")
-        if kind == "text":
-            if not isinstance(block.get("text"), str):
-                raise _fail(f"{at}.text: Field required (a string)")
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image":
-            parts.append(_image_part(block, at))
+        part = _content_part(block, at)
+        if part is not None:
+            parts.append(part)
         elif kind == "tool_result":
             tool_id = block.get("tool_use_id")
             if not isinstance(tool_id, str):
-                raise _fail(f"{at}.tool_use_id: Field required (a string)")
+                raise RequestError(f"{at}.tool_use_id: Field required (a string)")
             if tool_id not in tool_ids:
-                raise _fail(
+                raise RequestError(
                     f"{at}: unexpected tool_use_id found in tool_result blocks: {tool_id}. "
                     "Each tool_result block must have a corresponding tool_use block in "
                     "the previous message.")
@@ -134,33 +139,26 @@ def _user_parts(blocks: list, where: str, tool_ids: set, messages: list) -> None
             if isinstance(content, list):
                 content = _tool_result_parts(content, at)
             elif not isinstance(content, str):
-                raise _fail(f"{at}.content: must be a string or a list of blocks")
+                raise RequestError(f"{at}.content: must be a string or a list of blocks")
             if block.get("is_error") is True and isinstance(content, str):
                 content = f"Error: {content}"
             messages.append({"role": "tool", "tool_call_id": tool_id, "content": content})
         else:
-            raise _fail(f"{at}.type: a user message takes text, image and tool_result "
+            raise RequestError(f"{at}.type: a user message takes text, image and tool_result "
                         f"blocks, not {kind!r}")
     if parts:
-        only_text = all(p["type"] == "text" for p in parts)
-        content = "".join(p["text"] for p in parts) if only_text else parts
-        messages.append({"role": "user", "content": content})
+        messages.append({"role": "user", "content": chat_content(parts)})
 
 
 def _tool_result_parts(blocks: list, where: str):
     parts = []
     for i, block in enumerate(blocks):
         at = f"{where}.content.{i}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image":
-            parts.append(_image_part(block, at))
-        else:
-            raise _fail(f"{at}: a tool_result takes text and image blocks")
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
+        part = _content_part(block, at) if isinstance(block, dict) else None
+        if part is None:
+            raise RequestError(f"{at}: a tool_result takes text and image blocks")
+        parts.append(part)
+    return chat_content(parts)
 
 
 def _assistant_message(blocks: list, where: str) -> dict:
@@ -168,31 +166,31 @@ def _assistant_message(blocks: list, where: str) -> dict:
     for i, block in enumerate(blocks):
         at = f"{where}.content.{i}"
         if not isinstance(block, dict):
-            raise _fail(f"{at}: must be an object")
+            raise RequestError(f"{at}: must be an object")
         kind = block.get("type")
         if kind == "text":
             if not isinstance(block.get("text"), str):
-                raise _fail(f"{at}.text: Field required (a string)")
+                raise RequestError(f"{at}.text: Field required (a string)")
             text.append(block["text"])
         elif kind == "thinking":
             if not isinstance(block.get("thinking"), str):
-                raise _fail(f"{at}.thinking: Field required (a string)")
+                raise RequestError(f"{at}.thinking: Field required (a string)")
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking":
             continue  # opaque to anyone but Anthropic
         elif kind == "tool_use":
             tool_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(tool_id, str) or not tool_id:
-                raise _fail(f"{at}.id: Field required (a string)")
+                raise RequestError(f"{at}.id: Field required (a string)")
             if not isinstance(name, str) or not name:
-                raise _fail(f"{at}.name: Field required (a string)")
+                raise RequestError(f"{at}.name: Field required (a string)")
             if not isinstance(args, dict):
-                raise _fail(f"{at}.input: must be an object")
+                raise RequestError(f"{at}.input: must be an object")
             calls.append({"id": tool_id, "type": "function",
                           "function": {"name": name,
                                        "arguments": json.dumps(args, ensure_ascii=False)}})
         else:
-            raise _fail(f"{at}.type: an assistant message takes text, thinking, "
+            raise RequestError(f"{at}.type: an assistant message takes text, thinking, "
                         f"redacted_thinking and tool_use blocks, not {kind!r}")
     message = {"role": "assistant", "content": "".join(text)}
     if reasoning:
@@ -240,12 +238,12 @@ def to_messages(body: dict, strip_billing_header: bool = False) -> List[dict]:
             messages.append({"role": "system", "content": text})
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise _fail("messages: Field required (a non-empty list)")
+        raise RequestError("messages: Field required (a non-empty list)")
     tool_ids: set = set()  # the tool_use ids of the previous assistant turn
     for i, turn in enumerate(turns):
         where = f"messages.{i}"
         if not isinstance(turn, dict):
-            raise _fail(f"{where}: must be an object")
+            raise RequestError(f"{where}: must be an object")
         role, content = turn.get("role"), turn.get("content")
         if role == "system":
             # Newer Claude Code sends system messages inside the conversation:
@@ -258,11 +256,11 @@ def to_messages(body: dict, strip_billing_header: bool = False) -> List[dict]:
         if role in ("ctx", "msg"):  # Claude Code's context roles: user text
             role = "user"
         if role not in ("user", "assistant"):
-            raise _fail(f"{where}.role: must be 'user' or 'assistant'")
+            raise RequestError(f"{where}.role: must be 'user' or 'assistant'")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
-            raise _fail(f"{where}.content: must be a string or a list of blocks")
+            raise RequestError(f"{where}.content: must be a string or a list of blocks")
         if role == "user":
             _user_parts(content, where, tool_ids, messages)
             tool_ids = set()
@@ -277,20 +275,20 @@ def to_tools(tools) -> Optional[List[dict]]:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _fail("tools: must be a list")
+        raise RequestError("tools: must be a list")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise _fail(f"tools.{i}: must be an object")
+            raise RequestError(f"tools.{i}: must be an object")
         kind = tool.get("type", "custom")
         if kind not in ("custom", None):
-            raise _fail(f"tools.{i}: tool type {kind!r} is not supported by this server "
+            raise RequestError(f"tools.{i}: tool type {kind!r} is not supported by this server "
                         "(only client tools with an input_schema)")
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not name:
-            raise _fail(f"tools.{i}.name: Field required (a string)")
+            raise RequestError(f"tools.{i}.name: Field required (a string)")
         if not isinstance(schema, dict):
-            raise _fail(f"tools.{i}.input_schema: Field required (an object)")
+            raise RequestError(f"tools.{i}.input_schema: Field required (an object)")
         # The key order of chat completions' tools (templates dump them as
         # they are: another order is other tokens, and another cache path).
         function = {"name": name}
@@ -306,14 +304,14 @@ def _tool_choice(choice, tools) -> Optional[Any]:
     if choice is None:
         return None
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-        raise _fail("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'")
+        raise RequestError("tool_choice.type: must be one of 'auto', 'any', 'tool', 'none'")
     kind = choice["type"]
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str):
-            raise _fail("tool_choice.name: Field required (a string)")
+            raise RequestError("tool_choice.name: Field required (a string)")
         if not any(t["function"]["name"] == name for t in tools or ()):
-            raise _fail(f"tool_choice.name: no tool named {name!r} in tools")
+            raise RequestError(f"tool_choice.name: no tool named {name!r} in tools")
         return {"type": "function", "function": {"name": name}}
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
@@ -324,22 +322,22 @@ def _thinking(body: dict) -> Optional[bool]:
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "disabled", "adaptive"):
-            raise _fail("thinking.type: must be 'enabled', 'disabled' or 'adaptive'")
+            raise RequestError("thinking.type: must be 'enabled', 'disabled' or 'adaptive'")
         if kind == "enabled":
             budget = thinking.get("budget_tokens")
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-                raise _fail("thinking.budget_tokens: Field required (a positive integer)")
+                raise RequestError("thinking.budget_tokens: Field required (a positive integer)")
         return kind != "disabled"
     config = body.get("output_config")
     if config is None:
         return None
     if not isinstance(config, dict):
-        raise _fail("output_config: must be an object")
+        raise RequestError("output_config: must be an object")
     effort = config.get("effort")
     if effort is None:
         return None
     if not isinstance(effort, str) or effort not in THINKING_BY_EFFORT:
-        raise _fail(f"output_config.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
+        raise RequestError(f"output_config.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
     return THINKING_BY_EFFORT[effort]
 
 
@@ -347,14 +345,14 @@ def to_chat_body(body: Any, count_only: bool = False,
                  strip_billing_header: bool = False) -> Dict[str, Any]:
     """An Anthropic request as a chat-completions body (raises RequestError)."""
     if not isinstance(body, dict):
-        raise _fail("Request body must be a JSON object")
+        raise RequestError("Request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _fail("model: Field required")
+        raise RequestError("model: Field required")
     chat: Dict[str, Any] = {"model": model}
     if not count_only:
         if "max_tokens" not in body:
-            raise _fail("max_tokens: Field required")
+            raise RequestError("max_tokens: Field required")
         chat["max_tokens"] = body["max_tokens"]
         chat["stream"] = body.get("stream", False)
     tools = to_tools(body.get("tools"))
@@ -369,26 +367,26 @@ def to_chat_body(body: Any, count_only: bool = False,
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise _fail("stop_sequences: must be a list of strings")
+            raise RequestError("stop_sequences: must be a list of strings")
         chat["stop"] = stop
     for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             chat[name] = body[name]
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _fail("metadata: must be an object")
+        raise RequestError("metadata: must be an object")
     thinking = _thinking(body)
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
-        raise _fail("output_config: must be an object")
+        raise RequestError("output_config: must be an object")
     output_format = (config or {}).get("format")
     if output_format is not None:
         # Structured outputs: {"type": "json_schema", "schema": {...}}.
         if not (isinstance(output_format, dict) and output_format.get("type") == "json_schema"
                 and isinstance(output_format.get("schema"), dict)):
-            raise _fail("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
+            raise RequestError("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": output_format["schema"]}}
     return chat
@@ -503,8 +501,7 @@ class MessagesExchange(Exchange):
             arguments = json.dumps(args, ensure_ascii=False)
         block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
                  "name": function.get("name", ""), "input": args}
-        out = self._close() if self.stream else b""
-        self._open = None
+        out = self._close()
         self.blocks.append(block)
         if not self.stream:
             return b""

@@ -355,6 +355,7 @@ class ConstraintProcessor:
         self._shifts = mx.arange(32, dtype=mx.uint32)
         self._vocab: Optional[int] = None  # the logits' width, at the first call
         self._eos_mask: Optional[mx.array] = None
+        self._pad: Optional[mx.array] = None  # never-allowed ids past the tokenizer's
         self._extra_ids: List[int] = []  # also allowed this step (think-start)
         self.steps = 0
         self.mask_seconds = 0.0
@@ -464,7 +465,9 @@ class ConstraintProcessor:
         width = bits.shape[1]
         if width >= self._vocab:
             return bits[:, : self._vocab]
-        return mx.concatenate([bits, mx.zeros((1, self._vocab - width), dtype=mx.bool_)], axis=1)
+        if self._pad is None:  # made once: this runs at every step
+            self._pad = mx.zeros((1, self._vocab - width), dtype=mx.bool_)
+        return mx.concatenate([bits, self._pad], axis=1)
 
     def _fail(self, logits: mx.array) -> mx.array:
         # Never raise inside the batch: remember why and end this request.

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .validation import RequestError, parse_request
-from .wire import Completion, Exchange, WireProtocol, sse
+from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 RESPONSES = "/v1/responses"
 INPUT_TOKENS = "/v1/responses/input_tokens"
@@ -69,16 +69,12 @@ PASSTHROUGH = ("top_k", "min_p", "seed", "repetition_penalty", "presence_penalty
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
-def _fail(message: str, status: int = 400) -> RequestError:
-    return RequestError(message, status)
-
-
 def _hex() -> str:
     return uuid.uuid4().hex
 
 
 def not_found(response_id: str) -> RequestError:
-    return _fail(f"Response with id '{response_id}' not found.", 404)
+    return RequestError(f"Response with id '{response_id}' not found.", 404)
 
 
 # -- the store --
@@ -170,34 +166,32 @@ def _text_parts(content, where: str):
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _fail(f"{where}: must be a string or a list of content parts")
+        raise RequestError(f"{where}: must be a string or a list of content parts")
     parts = []
     for i, part in enumerate(content):
         at = f"{where}[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS:
             if not isinstance(part.get("text"), str):
-                raise _fail(f"{at}.text: must be a string")
+                raise RequestError(f"{at}.text: must be a string")
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal":
             if not isinstance(part.get("refusal"), str):
-                raise _fail(f"{at}.refusal: must be a string")
+                raise RequestError(f"{at}.refusal: must be a string")
             parts.append({"type": "text", "text": part["refusal"]})
         elif kind == "input_image":
             url = part.get("image_url")
             if url is None and part.get("file_id") is not None:
-                raise _fail(f"{at}: images by file_id are not supported by this server; "
+                raise RequestError(f"{at}: images by file_id are not supported by this server; "
                             "send image_url (a data URL)")
             if not isinstance(url, str) or not url:
-                raise _fail(f"{at}.image_url: must be a string (a data URL)")
+                raise RequestError(f"{at}.image_url: must be a string (a data URL)")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif kind == "input_file":
-            raise _fail(f"{at}: input_file parts are not supported by this server")
+            raise RequestError(f"{at}: input_file parts are not supported by this server")
         else:
-            raise _fail(f"{at}.type: unsupported content part type {kind!r}")
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
+            raise RequestError(f"{at}.type: unsupported content part type {kind!r}")
+    return chat_content(parts)
 
 
 class _Conversation:
@@ -233,7 +227,7 @@ class _Conversation:
         for i, item in enumerate(items):
             at = f"{where}[{i}]"
             if not isinstance(item, dict):
-                raise _fail(f"{at}: must be an object")
+                raise RequestError(f"{at}: must be an object")
             kind = item.get("type")
             if kind is None and "role" in item:
                 kind = "message"
@@ -246,25 +240,25 @@ class _Conversation:
             elif kind == "reasoning":
                 self._reasoning(item, at)
             elif kind == "item_reference":
-                raise _fail(f"{at}: item references are not supported by this server; "
+                raise RequestError(f"{at}: item references are not supported by this server; "
                             "send the items themselves, or use previous_response_id")
             elif isinstance(kind, str):
-                raise _fail(f"{at}.type: input item type {kind!r} is not supported by "
+                raise RequestError(f"{at}.type: input item type {kind!r} is not supported by "
                             "this server (message, function_call, function_call_output "
                             "and reasoning items are)")
             else:
-                raise _fail(f"{at}.type: missing (an item needs a type, or a role for a "
+                raise RequestError(f"{at}.type: missing (an item needs a type, or a role for a "
                             "message)")
 
     def _message(self, item: dict, at: str) -> None:
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
-            raise _fail(f"{at}.role: must be one of 'user', 'system', 'developer', "
+            raise RequestError(f"{at}.role: must be one of 'user', 'system', 'developer', "
                         "'assistant'")
         content = _text_parts(item.get("content"), f"{at}.content")
         if role == "assistant":
             if not isinstance(content, str):
-                raise _fail(f"{at}.content: an assistant message takes text only")
+                raise RequestError(f"{at}.content: an assistant message takes text only")
             message = self._assistant("content")
             message["content"] = content
             return
@@ -274,18 +268,18 @@ class _Conversation:
         call_id, name = item.get("call_id"), item.get("name")
         arguments = item.get("arguments", "")
         if not isinstance(call_id, str) or not call_id:
-            raise _fail(f"{at}.call_id: must be a non-empty string")
+            raise RequestError(f"{at}.call_id: must be a non-empty string")
         if not isinstance(name, str) or not name:
-            raise _fail(f"{at}.name: must be a non-empty string")
+            raise RequestError(f"{at}.name: must be a non-empty string")
         if isinstance(arguments, dict):
             arguments = json.dumps(arguments, ensure_ascii=False)
         if not isinstance(arguments, str):
-            raise _fail(f"{at}.arguments: must be a string (JSON text)")
+            raise RequestError(f"{at}.arguments: must be a string (JSON text)")
         if arguments.strip():
             try:
                 json.loads(arguments)
             except (ValueError, RecursionError) as e:
-                raise _fail(f"{at}.arguments: not valid JSON ({e})") from None
+                raise RequestError(f"{at}.arguments: not valid JSON ({e})") from None
         message = self._assistant("tool_calls")
         message.setdefault("tool_calls", []).append(
             {"id": call_id, "type": "function",
@@ -295,9 +289,9 @@ class _Conversation:
     def _function_call_output(self, item: dict, at: str) -> None:
         call_id = item.get("call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise _fail(f"{at}.call_id: must be a non-empty string")
+            raise RequestError(f"{at}.call_id: must be a non-empty string")
         if call_id not in self.call_ids:
-            raise _fail(f"{at}: no tool call found for function call output with call_id "
+            raise RequestError(f"{at}: no tool call found for function call output with call_id "
                         f"{call_id!r} (a function_call item with this call_id must come "
                         "before it, in input or in the previous response)")
         output = _text_parts(item.get("output"), f"{at}.output")
@@ -306,15 +300,15 @@ class _Conversation:
     def _reasoning(self, item: dict, at: str) -> None:
         content = item.get("content") or []
         if not isinstance(content, list):
-            raise _fail(f"{at}.content: must be a list of reasoning_text parts")
+            raise RequestError(f"{at}.content: must be a list of reasoning_text parts")
         texts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise _fail(f"{at}.content[{i}]: must be a reasoning_text part with text")
+                raise RequestError(f"{at}.content[{i}]: must be a reasoning_text part with text")
             texts.append(part["text"])
         summary = item.get("summary", [])
         if summary is not None and not isinstance(summary, list):
-            raise _fail(f"{at}.summary: must be a list")
+            raise RequestError(f"{at}.summary: must be a list")
         # The summary and encrypted_content are another model's: only the
         # reasoning text itself goes back to the template.
         if texts:
@@ -330,7 +324,7 @@ def to_messages(input_, call_ids=()) -> Tuple[List[dict], set]:
     elif isinstance(input_, list):
         conversation.add(input_)
     elif input_ is not None:
-        raise _fail("input: must be a string or a list of input items")
+        raise RequestError("input: must be a string or a list of input items")
     return conversation.messages, conversation.call_ids
 
 
@@ -353,27 +347,27 @@ def _tools(tools) -> Tuple[list, Optional[list]]:
     if tools is None:
         return [], None
     if not isinstance(tools, list):
-        raise _fail("tools: must be a list")
+        raise RequestError("tools: must be a list")
     chat = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise _fail(f"tools[{i}]: must be an object")
+            raise RequestError(f"tools[{i}]: must be an object")
         kind = tool.get("type")
         if kind != "function":
-            raise _fail(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
+            raise RequestError(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
                         "(only function tools are)")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise _fail(f"tools[{i}].name: must be a non-empty string")
+            raise RequestError(f"tools[{i}].name: must be a non-empty string")
         function = {"name": name}
         if tool.get("description") is not None:
             if not isinstance(tool["description"], str):
-                raise _fail(f"tools[{i}].description: must be a string")
+                raise RequestError(f"tools[{i}].description: must be a string")
             function["description"] = tool["description"]
         parameters = tool.get("parameters")
         if parameters is not None:
             if not isinstance(parameters, dict):
-                raise _fail(f"tools[{i}].parameters: must be an object (a JSON schema)")
+                raise RequestError(f"tools[{i}].parameters: must be an object (a JSON schema)")
             function["parameters"] = parameters
         chat.append({"type": "function", "function": function})
     echo = [dict(t) for t in tools]
@@ -386,27 +380,27 @@ def _tool_choice(choice, tools) -> Any:
         return "auto"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
+            raise RequestError("tool_choice: must be 'auto', 'none', 'required' or an object")
         if choice == "required" and not tools:
-            raise _fail("tool_choice: 'required' needs function tools")
+            raise RequestError("tool_choice: 'required' needs function tools")
         return choice
     if not isinstance(choice, dict):
-        raise _fail("tool_choice: must be 'auto', 'none', 'required' or an object")
+        raise RequestError("tool_choice: must be 'auto', 'none', 'required' or an object")
     kind = choice.get("type")
     if kind == "function":
         name = choice.get("name")
         if not isinstance(name, str):
-            raise _fail("tool_choice.name: must be a string")
+            raise RequestError("tool_choice.name: must be a string")
         if not any(t["function"]["name"] == name for t in tools or ()):
-            raise _fail(f"tool_choice.name: no function tool named {name!r} in tools")
+            raise RequestError(f"tool_choice.name: no function tool named {name!r} in tools")
         return {"type": "function", "name": name}
     if kind == "allowed_tools":
         if choice.get("mode") not in ("auto", "required"):
-            raise _fail("tool_choice.mode: must be 'auto' or 'required'")
+            raise RequestError("tool_choice.mode: must be 'auto' or 'required'")
         if not isinstance(choice.get("tools"), list):
-            raise _fail("tool_choice.tools: must be a list")
+            raise RequestError("tool_choice.tools: must be a list")
         return choice
-    raise _fail(f"tool_choice: type {kind!r} is not supported by this server "
+    raise RequestError(f"tool_choice: type {kind!r} is not supported by this server "
                 "(only function tools are)")
 
 
@@ -423,13 +417,13 @@ def _text_config(text) -> Tuple[dict, Optional[dict]]:
     if text is None:
         return {"format": {"type": "text"}}, None
     if not isinstance(text, dict):
-        raise _fail("text: must be an object")
+        raise RequestError("text: must be an object")
     verbosity = text.get("verbosity")
     if verbosity is not None and verbosity not in ("low", "medium", "high"):
-        raise _fail("text.verbosity: must be 'low', 'medium' or 'high'")
+        raise RequestError("text.verbosity: must be 'low', 'medium' or 'high'")
     fmt = text.get("format") or {"type": "text"}
     if not isinstance(fmt, dict):
-        raise _fail("text.format: must be an object")
+        raise RequestError("text.format: must be an object")
     kind = fmt.get("type")
     if kind == "text":
         response_format = None
@@ -437,13 +431,13 @@ def _text_config(text) -> Tuple[dict, Optional[dict]]:
         response_format = {"type": "json_object"}
     elif kind == "json_schema":
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
-            raise _fail("text.format.name: must be a non-empty string")
+            raise RequestError("text.format.name: must be a non-empty string")
         if not isinstance(fmt.get("schema"), dict):
-            raise _fail("text.format.schema: must be an object (a JSON schema)")
+            raise RequestError("text.format.schema: must be an object (a JSON schema)")
         schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
         response_format = {"type": "json_schema", "json_schema": schema}
     else:
-        raise _fail("text.format.type: must be 'text', 'json_schema' or 'json_object'")
+        raise RequestError("text.format.type: must be 'text', 'json_schema' or 'json_object'")
     echo = {"format": fmt}
     if verbosity is not None:
         echo["verbosity"] = verbosity
@@ -456,14 +450,14 @@ def _reasoning(reasoning) -> Tuple[dict, Optional[bool]]:
     if reasoning is None:
         return {"effort": None, "summary": None}, None
     if not isinstance(reasoning, dict):
-        raise _fail("reasoning: must be an object")
+        raise RequestError("reasoning: must be an object")
     effort = reasoning.get("effort")
     if effort is not None and (not isinstance(effort, str) or effort not in THINKING_BY_EFFORT):
-        raise _fail(f"reasoning.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
+        raise RequestError(f"reasoning.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
     summary = reasoning.get("summary")
     if summary is not None and (not isinstance(summary, str)
                                 or summary not in ("auto", "concise", "detailed")):
-        raise _fail("reasoning.summary: must be 'auto', 'concise' or 'detailed'")
+        raise RequestError("reasoning.summary: must be 'auto', 'concise' or 'detailed'")
     echo = {"effort": effort, "summary": summary}
     return echo, (None if effort is None else THINKING_BY_EFFORT[effort])
 
@@ -474,7 +468,7 @@ def _check(body: dict, name: str, types, what: str, default=None):
         return default
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in (
             types if isinstance(types, tuple) else (types,))):
-        raise _fail(f"{name}: must be {what}")
+        raise RequestError(f"{name}: must be {what}")
     return value
 
 
@@ -494,39 +488,39 @@ def to_chat_body(body: Any, store: ResponseStore,
                  count_only: bool = False) -> Tuple[Dict[str, Any], ResponsesRequest]:
     """A Responses request as a chat-completions body (raises RequestError)."""
     if not isinstance(body, dict):
-        raise _fail("Request body must be a JSON object")
+        raise RequestError("Request body must be a JSON object")
     model = _check(body, "model", str, "a string", "default_model")
     instructions = _check(body, "instructions", str, "a string")
     stored = _check(body, "store", bool, "a boolean", True)
     previous_id = _check(body, "previous_response_id", str, "a string")
     if body.get("conversation") is not None:
-        raise _fail("conversation: conversations are not supported by this server; "
+        raise RequestError("conversation: conversations are not supported by this server; "
                     "use previous_response_id")
     if body.get("prompt") is not None:
-        raise _fail("prompt: prompt templates are not supported by this server")
+        raise RequestError("prompt: prompt templates are not supported by this server")
     if body.get("background"):
-        raise _fail("background: background responses are not supported by this server")
+        raise RequestError("background: background responses are not supported by this server")
     metadata = _check(body, "metadata", dict, "an object of strings", {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise _fail("metadata: must be an object of strings")
+        raise RequestError("metadata: must be an object of strings")
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         _check(body, name, str, "a string")
     include = _check(body, "include", list, "a list of strings", [])
     if not all(isinstance(x, str) for x in include):
-        raise _fail("include: must be a list of strings")
+        raise RequestError("include: must be a list of strings")
     truncation = _check(body, "truncation", str, "'auto' or 'disabled'", "disabled")
     if truncation not in ("auto", "disabled"):
-        raise _fail("truncation: must be 'auto' or 'disabled'")
+        raise RequestError("truncation: must be 'auto' or 'disabled'")
     service_tier = _check(body, "service_tier", str, "a string", "auto")
     top_logprobs = _check(body, "top_logprobs", int, "an integer from 0 to 20")
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise _fail("top_logprobs: must be an integer from 0 to 20")
+        raise RequestError("top_logprobs: must be an integer from 0 to 20")
     max_tool_calls = _check(body, "max_tool_calls", int, "a positive integer")
     parallel = _check(body, "parallel_tool_calls", bool, "a boolean", True)
     _check(body, "stream_options", dict, "an object")
     max_output = _check(body, "max_output_tokens", int, "a positive integer")
     if max_output is not None and max_output < 1:
-        raise _fail("max_output_tokens: must be a positive integer")
+        raise RequestError("max_output_tokens: must be a positive integer")
 
     echo_tools, tools = _tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"), tools)
@@ -540,12 +534,12 @@ def to_chat_body(body: Any, store: ResponseStore,
             raise not_found(previous_id)
         history = list(previous.messages)
     if "input" not in body and previous_id is None:
-        raise _fail("input: required (a string or a list of input items)")
+        raise RequestError("input: required (a string or a list of input items)")
     new, _ = to_messages(body.get("input"), _call_ids(history))
     history += new
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     if not messages:
-        raise _fail("input: must not be empty")
+        raise RequestError("input: must not be empty")
 
     chat: Dict[str, Any] = {
         "model": model,
@@ -567,7 +561,7 @@ def to_chat_body(body: Any, store: ResponseStore,
             chat[name] = body[name]
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise _fail("chat_template_kwargs: must be an object")
+        raise RequestError("chat_template_kwargs: must be an object")
     if thinking is not None:
         kwargs = {**(kwargs or {}), "enable_thinking": thinking}
     if kwargs is not None:
@@ -641,7 +635,7 @@ class ResponsesProtocol(WireProtocol):
         if (isinstance(body, dict) and ceiling is not None
                 and isinstance(body.get("max_output_tokens"), int)
                 and body["max_output_tokens"] > ceiling):
-            raise _fail(f"max_output_tokens: must be at most {ceiling} on this server "
+            raise RequestError(f"max_output_tokens: must be at most {ceiling} on this server "
                         "(--max-tokens-ceiling)")
         chat, extra = to_chat_body(body, self.store, count_only)
         parsed = parse_request("/v1/chat/completions", chat, cli, vocab_size)

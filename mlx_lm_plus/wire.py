@@ -80,6 +80,15 @@ class WireProtocol:
         raise NotImplementedError
 
 
+def chat_content(parts: List[dict]):
+    """Chat content of text and image_url parts: the text alone when there is
+    no image (what mlx-lm's process_message_content makes of it anyway),
+    else the parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
 def sse(event: str, data: Dict[str, Any]) -> bytes:
     """One named server-sent event."""
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()

@@ -260,14 +260,19 @@ def test_corpus_is_large():
     assert len(CASES) >= 60
 
 
-@pytest.mark.parametrize("path,body", CASES, ids=[f"{i}" for i in range(len(CASES))])
-def test_bad_request_is_4xx_and_harmless(server, path, body):
+def send_bad(server, path, body) -> dict:
+    """POST a bad body: a 4xx JSON answer (returned), and a healthy server."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, headers, data = server.request("POST", path, raw=raw)
     assert 400 <= status < 500, (status, data[:300])
-    error = json.loads(data)["error"]
-    assert isinstance(error, str) and error
     assert server.get("/health") == (200, {"status": "ok"})
+    return json.loads(data)
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{i}" for i in range(len(CASES))])
+def test_bad_request_is_4xx_and_harmless(server, path, body):
+    error = send_bad(server, path, body)["error"]
+    assert isinstance(error, str) and error
     status, r = server.post(CHAT, chat())
     assert status == 200 and r["usage"]["completion_tokens"] == 2
 
@@ -275,13 +280,9 @@ def test_bad_request_is_4xx_and_harmless(server, path, body):
 @pytest.mark.parametrize("path,body", MESSAGES_CASES,
                          ids=[f"messages-{i}" for i in range(len(MESSAGES_CASES))])
 def test_bad_messages_request_is_anthropic_4xx_and_harmless(server, path, body):
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, headers, data = server.request("POST", path, raw=raw)
-    assert 400 <= status < 500, (status, data[:300])
-    error = json.loads(data)
+    error = send_bad(server, path, body)
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert isinstance(error["error"]["message"], str) and error["error"]["message"]
-    assert server.get("/health") == (200, {"status": "ok"})
     status, r = server.post(MESSAGES, message())
     assert status == 200 and r["usage"]["output_tokens"] == 2
 
@@ -289,12 +290,8 @@ def test_bad_messages_request_is_anthropic_4xx_and_harmless(server, path, body):
 @pytest.mark.parametrize("path,body", RESPONSES_CASES,
                          ids=[f"responses-{i}" for i in range(len(RESPONSES_CASES))])
 def test_bad_responses_request_is_openai_4xx_and_harmless(server, path, body):
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, headers, data = server.request("POST", path, raw=raw)
-    assert 400 <= status < 500, (status, data[:300])
-    error = json.loads(data)["error"]
+    error = send_bad(server, path, body)["error"]
     assert error["type"] == "invalid_request_error" and error["message"], error
-    assert server.get("/health") == (200, {"status": "ok"})
     status, r = server.post(RESPONSES, response())
     assert status == 200 and r["usage"]["output_tokens"] == 2
 
