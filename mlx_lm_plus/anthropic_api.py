@@ -295,6 +295,8 @@ def to_tools(tools) -> Optional[List[dict]]:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         function["parameters"] = schema
+        if tool.get("strict") is True:  # structured outputs: held to the schema
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     return out or None
 

@@ -21,7 +21,9 @@ from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
 from .constraints import (
     ConstraintError,
+    ConstraintUnavailable,
     ForcedToolCall,
+    StrictToolCalls,
     compile_response_format,
     grammar_for,
     ll_tokenizer,
@@ -375,7 +377,7 @@ class Server:
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e
 
-    async def _constrain(self, req):
+    async def _constrain(self, req, draft=None):
         """Structured output, compiled before the request is queued: a schema
         llguidance can't take is a 400 here (compiling is CPU work: in an
         executor; repeated schemas are a cache hit)."""
@@ -385,8 +387,15 @@ class Server:
             # The engine compiles it again for the tokenizer of the model
             # it runs (a cache hit when that is the loaded one, as here).
             constraint = ForcedToolCall(req.tools, name)
-        elif req.response_format is not None:
+        elif req.response_format is not None and req.response_format.get("type") != "text":
+            # (With strict tools too: the answer is held to the format, and
+            # the model can't call a tool; see the README.)
             constraint = req.response_format
+        elif choice != "none" and StrictToolCalls.wanted(req.tools) and not draft:
+            # Best effort: a model or setup that can't hold calls to a schema
+            # (another tool format, a draft model) serves the request as
+            # upstream does; only a strict tool's broken schema is a 400.
+            constraint = StrictToolCalls(req.tools)
         else:
             return
         tokenizer = self.model_provider.tokenizer
@@ -394,6 +403,10 @@ class Server:
         try:
             req.constraint = await loop.run_in_executor(
                 None, _compile_constraint, constraint, tokenizer)
+        except ConstraintUnavailable as e:
+            if not isinstance(constraint, StrictToolCalls):
+                raise RequestError(str(e)) from e
+            _log_once(f"strict tools served unconstrained: {e}")
         except ConstraintError as e:
             raise RequestError(str(e)) from e
 
@@ -451,7 +464,8 @@ class Server:
                 # Only once the whole request validated.
                 await inline_remote_images(parsed.request, self.cli_args)
             await self._decode_images(parsed.request)
-            await self._constrain(parsed.request)
+            await self._constrain(parsed.request,
+                                  draft=self.model_provider.key_for(parsed.args.model)[2])
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model
@@ -781,11 +795,20 @@ class _Tracker:
         return r
 
 
+_logged = set()
+
+
+def _log_once(message: str):
+    if message not in _logged:
+        _logged.add(message)
+        logging.warning(message)
+
+
 def _compile_constraint(constraint, tokenizer):
     """A request's constraint, checked (a ConstraintError is a 400 before the
     request is queued) and warmed: llguidance's view of the tokenizer takes
     about a second to build, here rather than on the generation thread."""
-    if isinstance(constraint, ForcedToolCall):
+    if isinstance(constraint, (ForcedToolCall, StrictToolCalls)):
         if tokenizer is not None:
             grammar_for(constraint, tokenizer)
         return constraint

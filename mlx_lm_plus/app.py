@@ -35,6 +35,8 @@ def build(cli_args):
         max_bytes=budget,
         max_sequences=cli_args.prompt_cache_size,
         ttl=cli_args.prompt_cache_ttl or None,
+        bits=cli_args.prompt_cache_bits,
+        group_size=cli_args.kv_group_size,
     )
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
@@ -94,7 +96,10 @@ def run(cli_args):
     try:
         asyncio.run(main())
     finally:
-        engine.stop_and_join(timeout=10)
+        # With a disk tier the generation thread saves the prompt cache on
+        # its way out, for up to --shutdown-timeout seconds more.
+        saving = cli_args.shutdown_timeout if cli_args.prompt_cache_dir else 0
+        engine.stop_and_join(timeout=10 + saving)
     logging.info("Server stopped")
     # Everything is shut down. Skip interpreter teardown: MLX's stream worker
     # threads, started from the generation thread, abort the process when the

@@ -11,9 +11,9 @@ place of image tokens). `fetch` finds the best usable entry for a key:
   trimmed    a longer or sibling entry sharing a longer common prefix, cut
              down to it; only when every layer of it can be trimmed.
 
-Generation never mutates a stored entry: `fetch` hands out a deep copy.
-Entries are stored compacted to their real length (KV buffers are allocated
-in steps of 256 tokens).
+Generation never mutates a stored entry: `fetch` hands out a deep copy (a
+dequantized one under quantized storage). Entries are stored compacted to
+their real length (KV buffers are allocated in steps of 256 tokens).
 
 The tree is compressed: each node's edge holds a run of token ids (an int64
 array: image ids are negative 63-bit fingerprints), a node exists only where
@@ -42,9 +42,28 @@ and threw away their latest entries: with six interleaved conversations in
 models whose caches are all trimmable, a new entry makes the entries on its
 own path redundant (the longer one can be trimmed to any of them), so they
 are dropped.
+
+Quantized storage (--prompt-cache-bits 4 or 8): the store then holds each
+plain KV layer's keys and values `mx.quantize`d (group size --kv-group-size;
+other layers as they are), counts those bytes against the budget, and
+dequantizes on fetch into a layer of the class it was inserted as, so the
+same budget holds about 1.9x (8 bits) or 3.6x (4 bits) the tokens of a
+float16 cache at group size 64 (`quantize_for_store` / `restore_from_store`).
+
+Disk tier (--prompt-cache-dir): a model may have a disk_cache.DiskTier
+attached (`attach_disk`). Entries leaving memory for the limits (evicted) or
+the TTL (expired: idle conversations are what the disk is for) are handed to
+it, outside the store's lock; redundant ones are not (a longer entry on the
+same path covers them), and `clear` empties the tiers too. `fetch` asks the
+tier as well and, when its entry covers more of the key than memory's best,
+reads it back (kind "disk") and inserts it into memory again, so the next
+turn hits memory. `save_to_disk` writes the memory entries out at shutdown,
+most recently used first. An evicted entry's arrays stay in memory until
+the tier's writer has written them (its queue is bounded: see DiskTier).
 """
 
 import copy
+import logging
 import sys
 import threading
 import time
@@ -59,6 +78,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (
     ChunkedKVCache,
     KVCache,
+    QuantizedKVCache,
     can_trim_prompt_cache,
     trim_prompt_cache,
 )
@@ -149,11 +169,32 @@ def _matching(edge: array, key: array, pos: int) -> int:
     return lo
 
 
+def descend(node, key: array):
+    """Follow `key` down from `node` (a radix tree of nodes with `children`
+    keyed by first token, `edge` and `entry`; also the disk tier's index):
+    (the deepest node whose whole edge it matches, the tokens matched, the
+    nodes with entries on the way, the child whose edge it leaves part way
+    or None)."""
+    pos, on_path = 0, []
+    while pos < len(key):
+        child = node.children.get(key[pos])
+        if child is None:
+            break
+        m = _matching(child.edge, key, pos)
+        pos += m
+        if m < len(child.edge):
+            return node, pos, on_path, child
+        node = child
+        if node.entry is not None:
+            on_path.append(node)
+    return node, pos, on_path, None
+
+
 @dataclass
 class Fetched:
     cache: Optional[List[Any]]  # a private copy, or None (miss)
     cached: int  # tokens of the key it covers
-    kind: str  # "exact", "prefix", "checkpoint", "trimmed", "miss"
+    kind: str  # "exact", "prefix", "checkpoint", "trimmed", "disk", "miss"
 
 
 def is_plain_kv(c) -> bool:
@@ -171,6 +212,86 @@ def compact(cache: List[Any]) -> List[Any]:
             c.values = mx.contiguous(c.values[..., : c.offset, :])
     mx.eval([c.state for c in cache])
     return cache
+
+
+class StoredKV(QuantizedKVCache):
+    """A plain KV layer as a quantized store holds it: QuantizedKVCache's
+    (packed, scales, biases) keys and values (so its `nbytes`, `trim` and
+    `is_trimmable` hold as they are), plus what turns it back into the layer
+    it was: the class, the attributes beside keys/values/offset (such as
+    vision.MRopeKVCache's rope_delta) and the dtype. Never handed out."""
+
+    def __init__(self, layer: KVCache, bits: int, group_size: int):
+        super().__init__(group_size=group_size, bits=bits)
+        self.layer_class = type(layer)
+        self.extra = {k: v for k, v in vars(layer).items()
+                      if k not in ("keys", "values", "offset")}
+        self.dtype = layer.keys.dtype
+        self.offset = n = layer.offset
+        self.keys = mx.quantize(layer.keys[..., :n, :], group_size, bits)
+        self.values = mx.quantize(layer.values[..., :n, :], group_size, bits)
+
+    def restore(self, trim: int = 0) -> KVCache:
+        """A new layer of the original class, `trim` tokens shorter: only
+        the tokens kept are dequantized (into new arrays; nothing shared)."""
+        n = self.offset - min(trim, self.offset)
+        layer = self.layer_class.__new__(self.layer_class)
+        layer.__dict__.update(copy.deepcopy(self.extra))
+
+        def dequantize(q):
+            w, scales, biases = (x[..., :n, :] for x in q)
+            return mx.dequantize(w, scales, biases, self.group_size, self.bits,
+                                 dtype=self.dtype)
+
+        layer.keys, layer.values = dequantize(self.keys), dequantize(self.values)
+        layer.offset = n
+        return layer
+
+
+def _quantizable(c, group_size: int) -> bool:
+    return (is_plain_kv(c) and c.keys is not None and c.offset > 0
+            and c.keys.shape[-1] % group_size == 0
+            and c.values.shape[-1] % group_size == 0)
+
+
+def quantize_for_store(cache: List[Any], bits: Optional[int], group_size: int) -> List[Any]:
+    """The cache as the store holds it: with `bits`, each plain KV layer a
+    StoredKV (head dims that `group_size` does not divide stay as they are);
+    recurrent, rotating and chunked layers as they are. Evaluated."""
+    if bits is None:
+        return cache
+    cache = [StoredKV(c, bits, group_size) if _quantizable(c, group_size) else c
+             for c in cache]
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def restore_from_store(stored: List[Any], trim: int = 0) -> List[Any]:
+    """A private copy of a stored cache, of ordinary layers (StoredKV layers
+    dequantized, the others deep copied), `trim` tokens shorter when every
+    layer can be trimmed (as trim_prompt_cache)."""
+    if not any(isinstance(c, StoredKV) for c in stored):
+        cache = copy.deepcopy(stored)
+        if trim:
+            trim_prompt_cache(cache, trim)
+        return cache
+    trim = trim if can_trim_prompt_cache(stored) else 0
+    cache = []
+    for c in stored:
+        if isinstance(c, StoredKV):
+            cache.append(c.restore(trim))
+        else:
+            c = copy.deepcopy(c)
+            if trim:
+                c.trim(trim)
+            cache.append(c)
+    return cache
+
+
+# Why entries leave memory that sends them to the disk tier: the limits and
+# the TTL. Not "redundant" (a longer entry on the same path covers them) nor
+# "cleared" (DELETE /v1/cache).
+_TO_DISK = ("evicted", "expired")
 
 
 def default_budget() -> int:
@@ -192,16 +313,25 @@ def default_budget() -> int:
     return max(256 << 20, min(int(total * 0.2), 16 << 30))
 
 
+def _per_token(nbytes: int, tokens: int) -> Optional[float]:
+    return round(nbytes / tokens, 1) if tokens else None
+
+
 def cache_nbytes(cache: List[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
 
 class PromptStore:
     def __init__(self, max_bytes: int, max_sequences: Optional[int] = None,
-                 ttl: Optional[float] = None, clock=time.monotonic):
+                 ttl: Optional[float] = None, clock=time.monotonic,
+                 bits: Optional[int] = None, group_size: int = 64):
         self.max_bytes = max_bytes
         self.max_sequences = max_sequences
         self.ttl = ttl
+        # Quantized storage of plain KV layers (None: stored as they are).
+        self.bits, self.group_size = bits, group_size
+        if bits is not None:  # a bad combination fails here, not on an insert
+            mx.quantize(mx.zeros((1, group_size)), group_size, bits)
         self._clock = clock
         self._roots: Dict[Any, _Node] = {}
         self._entries: Dict[Entry, Any] = {}  # entry -> model
@@ -214,6 +344,13 @@ class PromptStore:
         self.stats = Counter()
         # The generation thread mutates; HTTP handlers read snapshots.
         self._lock = threading.RLock()
+        # model -> its disk_cache.DiskTier (only with --prompt-cache-dir).
+        self._disks: Dict[Any, Any] = {}
+        # (tier, key, cache, kind) of entries that left memory, handed to
+        # their tier once the lock is released: `put` evaluates and copies
+        # views of the arrays, which HTTP handlers reading a snapshot should
+        # not wait for.
+        self._spills: List[Tuple[Any, List[int], List[Any], str]] = []
 
     def __len__(self):
         return len(self._entries)
@@ -235,38 +372,63 @@ class PromptStore:
     # -- lookup --
 
     def fetch(self, model: Any, key: List[int]) -> Fetched:
+        """The best cached prefix of `key`: from memory, or from the model's
+        disk tier when that covers more of it (memory wins a tie: nothing
+        to read).
+
+        The store's lock is not held while the tier reads a file (hundreds of
+        milliseconds for a long context): HTTP handlers reading a snapshot
+        don't wait for it. Only the generation thread changes the store, so
+        nothing but a DELETE /v1/cache can come between; the entry read back
+        is then inserted after the clear, as if fetched just after it.
+        """
         with self._lock:
             self._expire()
-            if self.disabled():
+            disabled = self.disabled()
+            tier = None if disabled else self._disks.get(model)
+        self._spill()
+        # (covered, handle) of the tier's best entry: its in-memory index only.
+        on_disk = tier.find(key) if tier is not None and key else None
+        with self._lock:
+            if disabled:
                 found = Fetched(None, 0, "miss")
             else:
-                found = self._find(model, key)
+                # A miss, without touching anything, when memory covers less.
+                found = self._find(model, key, floor=on_disk[0] if on_disk else 0)
+        if on_disk is not None and found.kind == "miss":
+            found = self._from_disk(model, tier, *on_disk)
+            if found is None:  # unreadable (deleted by the tier): memory's best
+                with self._lock:
+                    found = self._find(model, key)
+        with self._lock:
             self.stats[f"fetch_{found.kind}"] += 1
             if found.kind != "miss":
                 self.stats["tokens_saved"] += found.cached
-            return found
+        return found
+
+    def _from_disk(self, model, tier, covered: int, handle) -> Optional[Fetched]:
+        """The tier's entry read back and cut to `covered` tokens (None: it
+        could not be read); a copy of the whole entry goes back into memory
+        under its own key, so the next turn hits memory."""
+        stored = tier.load(handle)  # as the store held it (StoredKV layers too)
+        if stored is None:
+            return None
+        cache = restore_from_store(stored, handle.ntokens - covered)
+        key = tier.key_of(handle)  # None: replaced or evicted since `find`
+        if key is not None:
+            self.insert(model, key, stored, handle.kind, from_disk=True)
+        return Fetched(cache, covered, "disk")
 
     def _descend(self, model, key: array):
-        """Follow `key` from the model's root: (the deepest node whose whole
-        edge it matches, the tokens matched, the nodes with entries on the
-        way, the child whose edge it leaves part way or None)."""
-        node, pos, on_path = self._roots.get(model), 0, []
-        if node is None:
-            return None, 0, on_path, None
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            m = _matching(child.edge, key, pos)
-            pos += m
-            if m < len(child.edge):
-                return node, pos, on_path, child
-            node = child
-            if node.entry is not None:
-                on_path.append(node)
-        return node, pos, on_path, None
+        """descend() from the model's root (None when it has no tree)."""
+        root = self._roots.get(model)
+        if root is None:
+            return None, 0, [], None
+        return descend(root, key)
 
-    def _find(self, model, key) -> Fetched:
+    def _find(self, model, key, floor: int = 0) -> Fetched:
+        """Memory's best entry for `key`; a miss (nothing touched or copied)
+        when it would cover fewer than `floor` tokens."""
         if not key:
             return Fetched(None, 0, "miss")
         node, common, on_path, partial = self._descend(model, array(_TOKENS, key))
@@ -286,8 +448,9 @@ class PromptStore:
             # the node it ends at, or of the child whose edge it leaves.
             donor = exact or self._nearest_entry(partial or node)
             if donor is not None and can_trim_prompt_cache(donor.entry.cache):
-                cache = copy.deepcopy(donor.entry.cache)
-                trim_prompt_cache(cache, donor.depth - target)
+                if target < floor:
+                    return Fetched(None, 0, "miss")
+                cache = restore_from_store(donor.entry.cache, donor.depth - target)
                 # A hit, but not a reason to keep the donor: the request's own
                 # entry will hold the shared part. Renewing it would keep
                 # stale branches (a reply the next turn re-renders
@@ -296,11 +459,11 @@ class PromptStore:
                 kind = "exact" if donor is exact else "trimmed"
                 return Fetched(cache, target, kind)
 
-        if best_prefix is not None:
+        if best_prefix is not None and best_prefix.depth >= floor:
             entry = best_prefix.entry
             self._touch(entry)
             kind = "checkpoint" if entry.kind in ("checkpoint", "system") else "prefix"
-            return Fetched(copy.deepcopy(entry.cache), best_prefix.depth, kind)
+            return Fetched(restore_from_store(entry.cache), best_prefix.depth, kind)
         return Fetched(None, 0, "miss")
 
     def shared_depth(self, model: Any, key: List[int]) -> int:
@@ -332,8 +495,10 @@ class PromptStore:
 
     # -- insert --
 
-    def insert(self, model: Any, key: List[int], cache: List[Any], kind: str = "prompt"):
-        """Store `cache` (covering exactly `key`); the store takes ownership."""
+    def insert(self, model: Any, key: List[int], cache: List[Any], kind: str = "prompt",
+               from_disk: bool = False):
+        """Store `cache` (covering exactly `key`); the store takes ownership.
+        `from_disk`: an entry read back from the disk tier (counted apart)."""
         if not key:
             return
         if self.disabled():
@@ -342,7 +507,7 @@ class PromptStore:
             return
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
-        cache = compact(cache)
+        cache = quantize_for_store(compact(cache), self.bits, self.group_size)
         nbytes = cache_nbytes(cache)
         with self._lock:
             node = self._node_for(model, tokens)
@@ -359,10 +524,11 @@ class PromptStore:
             self._entries[entry] = model
             self.kv_bytes += nbytes
             self.index_bytes += ENTRY_BYTES
-            self.stats[f"insert_{kind}"] += 1
+            self.stats["from_disk" if from_disk else f"insert_{kind}"] += 1
             if can_trim_prompt_cache(cache):
                 self._drop_redundant_prefixes(node)
             self._enforce_limits(keep=entry)
+        self._spill()
 
     def _node_for(self, model, key: array) -> _Node:
         """The node at the end of `key`, made (splitting an edge where the key
@@ -470,22 +636,29 @@ class PromptStore:
             if victim is None:
                 break
             self._remove(victim, reason="evicted")
-        self.trim_to(self.max_bytes, keep=keep)
+        self._trim_to(self.max_bytes, keep=keep)
 
     def trim_to(self, n_bytes: int, keep: Optional[Entry] = None):
         """Evict until the entries and the index hold at most `n_bytes`."""
         with self._lock:
-            while self.nbytes > max(0, n_bytes) and self._entries:
-                victim = self._victim(keep, leaves_only=False)
-                if victim is None:
-                    # Only `keep` is left and it alone is over budget.
-                    victim = keep
-                self._remove(victim, reason="evicted")
-                if victim is keep:
-                    break
+            self._trim_to(n_bytes, keep)
+        self._spill()
+
+    def _trim_to(self, n_bytes: int, keep: Optional[Entry] = None):
+        while self.nbytes > max(0, n_bytes) and self._entries:
+            victim = self._victim(keep, leaves_only=False)
+            if victim is None:
+                # Only `keep` is left and it alone is over budget.
+                victim = keep
+            self._remove(victim, reason="evicted")
+            if victim is keep:
+                break
 
     def _remove(self, entry: Entry, reason: Optional[str] = None, prune: bool = True):
         model = self._entries.pop(entry)
+        tier = self._disks.get(model) if reason in _TO_DISK else None
+        if tier is not None:  # the key, while the node's path still spells it
+            self._spills.append((tier, list(entry.key), entry.cache, entry.kind))
         node, entry.node = entry.node, None
         node.entry = None
         self._leaves -= node.below == 0
@@ -512,9 +685,101 @@ class PromptStore:
             self._merge(node)
 
     def clear(self):
+        """Drop every entry, the disk tiers' too (DELETE /v1/cache)."""
         with self._lock:
             for entry in list(self._entries):
                 self._remove(entry, reason="cleared")
+            for tier in dict.fromkeys(self._disks.values()):
+                self.stats["cleared_on_disk"] += tier.clear()
+
+    # -- the disk tier --
+
+    def attach_disk(self, model: Any, tier) -> None:
+        """Give `model`'s entries a disk_cache.DiskTier (its identity must be
+        this model's: the store only routes entries to it)."""
+        with self._lock:
+            self._disks[model] = tier
+
+    def disk_for(self, model: Any):
+        with self._lock:
+            return self._disks.get(model)
+
+    def _spill(self):
+        """Hand the entries that left memory to their tiers. Called with the
+        lock released, on the generation thread (put evaluates the arrays
+        and makes numpy views of them: MLX on the thread that owns them; the
+        tier's writer thread then writes)."""
+        with self._lock:
+            spills, self._spills = self._spills, []
+        for tier, key, cache, kind in spills:
+            try:
+                tier.put(key, cache, kind)  # the tier owns the cache now
+            except Exception:  # never fails the request that evicted it
+                logging.exception("Prompt cache: could not hand an entry to the disk tier")
+                continue
+            with self._lock:
+                self.stats["spilled"] += 1
+
+    def save_to_disk(self, timeout: float) -> int:
+        """At shutdown: write the memory entries to their tiers, most
+        recently used first (the ones most likely to be asked for again; a
+        key already on disk is only touched), wait for the writes and close
+        the tiers, all within about `timeout` seconds. Run on the generation
+        thread once it stops serving. Returns the entries handed over; logs
+        errors, never raises."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        self._spill()
+        with self._lock:
+            order = sorted(self._entries.items(), key=lambda em: -em[0].last_used)
+            jobs = [(self._disks[m], list(e.key), e.cache, e.kind, e.nbytes)
+                    for e, m in order if m in self._disks]
+            tiers = list(dict.fromkeys(self._disks.values()))
+        saved = 0
+        for tier, key, cache, kind, nbytes in jobs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                # The tier drops a put that would overfill its queue: let the
+                # writer catch up first.
+                queued = tier.snapshot()["queued_bytes"]
+                if queued and queued + nbytes > tier.max_queue_bytes:
+                    tier.flush(left)
+                tier.put(key, cache, kind)
+                saved += 1
+            except Exception:
+                logging.exception("Prompt cache: could not save an entry to disk")
+        for tier in tiers:
+            try:
+                if not tier.flush(max(0.0, deadline - time.monotonic())):
+                    logging.warning("Prompt cache on disk: shutdown timeout reached "
+                                    "with writes still queued; they are dropped")
+                # Stops the writer (not waiting for a write past the
+                # deadline), saves the last uses, closes the index.
+                tier.close(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                logging.exception("Prompt cache: could not close the disk tier")
+        if jobs:
+            logging.info(f"Prompt cache: {saved} of {len(jobs)} entries handed to the "
+                         "disk tier at shutdown")
+        return saved
+
+    def _disk_snapshot(self) -> Optional[Dict[str, Any]]:
+        """The tiers' figures, summed (one tier per model); None without."""
+        snaps = [t.snapshot() for t in dict.fromkeys(self._disks.values())]
+        if not snaps:
+            return None
+        out: Dict[str, Any] = {
+            "enabled": any(s["enabled"] for s in snaps),
+            "directories": [s["directory"] for s in snaps],
+            "full": any(s["full"] for s in snaps),
+        }
+        for k, v in snaps[0].items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[k] = sum(s[k] for s in snaps)
+        out["bytes_per_token"] = _per_token(out["bytes"], out["tokens"])
+        out["spilled"] = self.stats["spilled"]  # entries handed over on eviction
+        return out
 
     # -- reporting --
 
@@ -545,6 +810,8 @@ class PromptStore:
         with self._lock:
             hits = {k[len("fetch_"):]: v for k, v in self.stats.items()
                     if k.startswith("fetch_") and k != "fetch_miss"}
+            tokens = sum(e.ntokens for e in self._entries)
+            memory_hits = sum(v for k, v in hits.items() if k != "disk")
             return {
                 "entries": len(self._entries),
                 "sequences": self._leaves,
@@ -552,13 +819,21 @@ class PromptStore:
                 "kv_bytes": self.kv_bytes,
                 "index_bytes": self.index_bytes,
                 "budget_bytes": self.max_bytes,
+                "bits": self.bits,
                 "max_sequences": self.max_sequences,
                 "ttl_seconds": self.ttl,
-                "cached_tokens": sum(e.ntokens for e in self._entries),
+                "cached_tokens": tokens,
                 "hits": hits,
                 "misses": self.stats["fetch_miss"],
                 "evictions": self.stats["evicted"],
                 "evicted_bytes": self.stats["evicted_bytes"],
                 "expired": self.stats["expired"],
                 "prompt_tokens_saved": self.stats["tokens_saved"],
+                # By tier. Memory: what --prompt-cache-bytes limits, per
+                # token of the entries' keys (each entry holds its own copy).
+                "memory": {"entries": len(self._entries), "bytes": self.nbytes,
+                           "tokens": tokens, "hits": memory_hits,
+                           "bytes_per_token": _per_token(self.nbytes, tokens)},
+                "disk": self._disk_snapshot(),  # None without --prompt-cache-dir
+                "hits_by_tier": {"memory": memory_hits, "disk": hits.get("disk", 0)},
             }

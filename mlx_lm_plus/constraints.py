@@ -46,6 +46,12 @@ class ConstraintError(ValueError):
     """A response_format / tools body the constraint engine cannot honour."""
 
 
+class ConstraintUnavailable(ConstraintError):
+    """What the model (its tokenizer, its tool format) or the tool list's
+    shape can't support, rather than a schema that is wrong: strict tools
+    the model calls at its choice are then served unconstrained."""
+
+
 @dataclass(frozen=True)
 class Grammar:
     """A compiled, validated llguidance grammar (tokenizer-independent)."""
@@ -168,7 +174,8 @@ def ll_tokenizer(tokenizer) -> LLTokenizer:
                     tokenizer._tokenizer, eos_token=sorted(tokenizer.eos_token_ids)
                 )
             except (ValueError, AttributeError, TypeError) as e:  # not a Rust HF tokenizer
-                raise ConstraintError(f"structured output is not available for this tokenizer: {e}")
+                raise ConstraintUnavailable(
+                    f"structured output is not available for this tokenizer: {e}")
             _ll_tokenizers[tokenizer] = ll
         return ll
 
@@ -196,6 +203,7 @@ def tool_call_grammar(
     *,
     tokenizer,
     parallel: bool = False,
+    after_open: bool = False,
 ) -> Grammar:
     """A grammar for a forced tool call in the Hermes/Qwen format:
 
@@ -207,13 +215,15 @@ def tool_call_grammar(
     more calls separated by "\\n" (as the chat template writes several).
     <tool_call> and </tool_call> are matched as the special tokens when the
     tokenizer has them, so the model's usual single token is the one allowed.
+    `after_open`: the call after its <tool_call> token (which must be one
+    special token), for strict tools the model calls when it chooses to.
     Raises ConstraintError for malformed tools, an unknown `name`, a tokenizer
     whose tool parser is not the <tool_call> JSON one, or unsupported schemas.
     """
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None or not getattr(parser, "__module__", "").endswith("json_tools"):
-        raise ConstraintError(
-            "forced tool calls need a model with the <tool_call> JSON tool format"
+        raise ConstraintUnavailable(
+            "tool calls held to a schema need a model with the <tool_call> JSON tool format"
         )
     if not isinstance(tools, (list, tuple)) or not tools:
         raise ConstraintError("tools must be a non-empty array")
@@ -224,7 +234,7 @@ def tool_call_grammar(
             raise ConstraintError("each tool must be {'type': 'function', 'function': {...}}")
         fname = fn.get("name")
         if not (isinstance(fname, str) and _NAME.fullmatch(fname)):
-            raise ConstraintError(
+            raise ConstraintUnavailable(
                 "a function name must be 1-64 characters of a-z, A-Z, 0-9, _ and -"
             )
         params = fn.get("parameters")
@@ -245,20 +255,26 @@ def tool_call_grammar(
     start = tokenizer.tool_call_start or "<tool_call>"
     end = tokenizer.tool_call_end or "</tool_call>"
     start_id, end_id = _single_token(tokenizer, start), _single_token(tokenizer, end)
+    if after_open and start_id is None:
+        raise ConstraintUnavailable(
+            f"strict tools need a model whose {start} is one special token")
     # The grammar depends on the tokenizer only through these ids: in the key.
-    key = _canonical([functions, start, end, start_id, end_id, parallel])
+    key = _canonical([functions, start, end, start_id, end_id, parallel and not after_open,
+                      after_open])
     if len(key) > CACHED_SCHEMA_CHARS:
         return _compile_tools_now(key)
     return _compile_tools_cached(key)
 
 
 def _compile_tools_now(key: str) -> Grammar:
-    functions, start, end, start_id, end_id, parallel = json.loads(key)
+    functions, start, end, start_id, end_id, parallel, after_open = json.loads(key)
     # A special token is written <[id]>: the model must emit that one token,
     # not the same characters spelled in pieces (the engine finds tool calls
     # by that token sequence, and the model was trained on the single token).
     open_ = f"<[{start_id}]>" if start_id is not None else _lark_literal(start)
     close = f"<[{end_id}]>" if end_id is not None else _lark_literal(end)
+    if after_open:
+        open_ = ""
     choices = " | ".join(f"fn_{i}" for i in range(len(functions)))
     lines = [
         "%llguidance {}",
@@ -275,6 +291,8 @@ def _compile_tools_now(key: str) -> Grammar:
         lines.append(f"args_{i}: %json {_canonical(params)}")
     text = LLMatcher.grammar_from_lark("\n".join(lines))
     _check(text, "the tool parameters schema")
+    if after_open:
+        return Grammar(text, "strict_tools", {"functions": functions, "trigger": start_id})
     return Grammar(text, "tool_call", {"functions": functions})
 
 
@@ -288,19 +306,26 @@ _MAYBE_THINK = "maybe_think"  # grammar or the think-start token
 _THINKING = "thinking"  # pass-through until the think-end token
 _ACTIVE = "active"  # the grammar applies
 _DONE = "done"  # grammar complete or failed: EOS only
+_FREE = "free"  # strict tools: pass-through until the model opens a call
 
+# What a request's row needs at one step.
+_PASS = "pass"  # its logits unchanged (thinking)
+_EOS = "eos"  # only the EOS ids (grammar complete, or failed)
+_MASK = "mask"  # the matcher's mask (plus any extra ids)
 
 class ConstraintProcessor:
-    """A logits processor (`processor(tokens, logits) -> logits`) for one
-    request in mlx-lm's BatchGenerator (or generate_step / stream_generate).
+    """A logits processor for one request: `processor(tokens, logits) ->
+    logits` in mlx-lm's BatchGenerator (or generate_step / stream_generate),
+    and `ConstraintProcessor.process_batch(logits, rows)` for every
+    constrained row of a batch at once (patches/batched_logits_processors).
 
-    Each call sees `tokens` = the request's tokens so far (prompt, then
-    generated) and `logits` of shape (1, vocab). The first call comes before
-    any token was generated: everything in `tokens` then is prompt. Each later
-    call consumes the tokens added since the previous one (one per step), then
-    masks the logits with -inf outside what the grammar allows next. Once the
-    grammar is complete only the EOS ids are allowed, so the request ends by
-    EOS (finish_reason "stop"); max_tokens can still cut it ("length").
+    Each call sees the request's tokens so far (prompt, then generated) and
+    its logits. The first call comes before any token was generated:
+    everything seen then is prompt. Each later call consumes the tokens added
+    since the previous one (one per step), then masks the logits with -inf
+    outside what the grammar allows next. Once the grammar is complete only
+    the EOS ids are allowed, so the request ends by EOS (finish_reason
+    "stop"); max_tokens can still cut it ("length").
 
     after_think: for thinking models. The grammar starts after the think-end
     token (`</think>`) the model generates; until then logits pass unchanged.
@@ -312,6 +337,11 @@ class ConstraintProcessor:
     may be the think-start (then wait for </think>) or start the grammar.
     So the engine can pass after_think=tokenizer.has_thinking always.
 
+    Strict tools (a "strict_tools" grammar, see tool_call_grammar's
+    after_open): the model writes freely (thinking included) until it emits
+    the <tool_call> token; the call that follows is held to the grammar, and
+    once it is closed the model is free again (for text, or another call).
+
     Errors: a grammar failure during generation (a token the matcher refuses,
     a llguidance limit) never raises into the batch: `self.error` gets the
     reason and only EOS is allowed from then on, so the request ends at the
@@ -320,12 +350,14 @@ class ConstraintProcessor:
     ConstraintError (before the request joins a batch).
 
     Cost: `mask_seconds` / `steps` is the CPU time per constrained step
-    (consume + mask + building the lazy masked logits; see stats()). The mask
-    is computed while the step's forward pass runs: the processor starts it
+    (consume + mask + the mask as an array; see stats()). The masks are
+    computed while the step's forward pass runs: the step starts it
     (mx.async_eval) before handing the CPU to llguidance, which drops the GIL.
-    What cannot be hidden: the mask needs the token sampled at the previous
-    step, so each call waits for it (mlx-lm otherwise queues the next step
-    before the previous one is done); that wait happens while thinking too.
+    In a batch, one call fills every row's mask and one `where` applies them
+    all. What cannot be hidden: the mask needs
+    the token sampled at the previous step, so the step waits for it (mlx-lm
+    otherwise queues the next step before the previous one is done); that
+    wait happens while thinking too.
 
     Not for speculative decoding (tokens that are rolled back are not
     un-consumed); one processor per request, never shared or reused.
@@ -348,14 +380,14 @@ class ConstraintProcessor:
         self._think_start = tuple(tokenizer.think_start_tokens or ()) if self.after_think else ()
         self._think_end = tuple(tokenizer.think_end_tokens or ()) if self.after_think else ()
         self.state = _THINKING if self.after_think else _ACTIVE
-        self._seen: Optional[int] = None  # len(tokens) at the previous call
+        # Strict tools: the token that opens a call, which starts the grammar.
+        self._trigger = (grammar.schema or {}).get("trigger") if grammar.kind == "strict_tools" else None
+        if self._trigger is not None:
+            self.after_think, self.state = False, _FREE
+        self.calls = 0  # strict tools: the calls the model opened
+        self._seen: Optional[int] = None  # tokens seen at the previous call
         self._recent: List[int] = []  # generated tokens, while looking for </think>
-        # One bitmask buffer for the life of the request (32 tokens per int32).
-        self._bitmask = np.zeros((1, (self.ll.vocab_size + 31) // 32), dtype=np.int32)
-        self._shifts = mx.arange(32, dtype=mx.uint32)
-        self._vocab: Optional[int] = None  # the logits' width, at the first call
-        self._eos_mask: Optional[mx.array] = None
-        self._pad: Optional[mx.array] = None  # never-allowed ids past the tokenizer's
+        self._words = (self.ll.vocab_size + 31) // 32  # of a bitmask row
         self._extra_ids: List[int] = []  # also allowed this step (think-start)
         self.steps = 0
         self.mask_seconds = 0.0
@@ -364,20 +396,62 @@ class ConstraintProcessor:
     def started(self) -> bool:
         """Whether the grammar applied at all (False: the model was still
         thinking when the request ended, so its output is unconstrained)."""
-        return self.state in (_ACTIVE, _DONE)
+        return self.state in (_ACTIVE, _DONE) or self.calls > 0
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self._seen is None:
-            self._start(tokens, logits)
-            new = []
+        """One row, `tokens` its (1-d) context, `logits` of shape (1, vocab)."""
+        # Start this step's forward pass: the mask is computed while it runs.
+        mx.async_eval(logits)
+        new = tokens[self._seen :].tolist() if self._seen is not None else None
+        tic = time.perf_counter()
+        if new is None:
+            need = self._first(lambda: np.array(tokens).tolist())
         else:
-            new = tokens[self._seen :].tolist() if tokens.size > self._seen else []
+            need = self._advance(new)
         self._seen = tokens.size
+        return _apply(logits, [(0, self, need)], tic)
 
+    @staticmethod
+    def process_batch(logits: mx.array, rows) -> mx.array:
+        """All constrained rows of a batch step at once. `rows`: (row index,
+        processor, the row's tokens in the KV cache as a list, the token
+        fed at this step); `logits` (batch, vocab). Other rows pass unchanged."""
+        mx.async_eval(logits)  # (queued already by the batched step)
+        tic = time.perf_counter()
+        needs = []
+        for e, p, history, newest in rows:
+            if p._seen is None:
+                need = p._first(lambda: history + [newest])
+            else:
+                need = p._advance(history[p._seen :] + [newest])
+            p._seen = len(history) + 1
+            needs.append((e, p, need))
+        return _apply(logits, needs, tic)
+
+    def _first(self, context) -> str:
+        """The first call: the prompt sets the thinking state."""
+        if self.after_think:
+            # The whole prompt when known: the sequential path passes only
+            # the tokens after the cached prefix to the processor.
+            prompt = self._prompt if self._prompt is not None else context()
+            self.state = self._thinking_state(list(prompt))
+            if self.state == _MAYBE_THINK:
+                self._extra_ids = [self._think_start[0]]
+        return self._advance([])
+
+    def _advance(self, new: List[int]) -> str:
+        """Take the tokens generated since the previous call; what this
+        step's row needs."""
+        if self.state == _FREE:
+            if self._trigger not in new:
+                return _PASS
+            new = new[new.index(self._trigger) + 1 :]
+            self.state = _ACTIVE
+            self.calls += 1
         if self.state == _THINKING:
             new = self._skip_thinking(new)
             if self.state == _THINKING:
-                return logits
+                return _PASS
         elif self.state == _MAYBE_THINK and new:
             # Offered at the first step only: never inside the grammar.
             self._extra_ids = []
@@ -385,31 +459,26 @@ class ConstraintProcessor:
                 self.state = _THINKING
                 new = self._skip_thinking(new[1:])
                 if self.state == _THINKING:
-                    return logits
+                    return _PASS
             else:
                 self.state = _ACTIVE
-
-        # Start this step's forward pass now: the mask below only needs the
-        # token just read, so it is computed while the model runs.
-        mx.async_eval(logits)
-        tic = time.perf_counter()
-        out = self._constrain(new, logits)
-        self.mask_seconds += time.perf_counter() - tic
-        self.steps += 1
-        return out
-
-    def _start(self, tokens: mx.array, logits: mx.array) -> None:
-        self._vocab = logits.shape[-1]
-        eos = np.zeros(self._vocab, dtype=bool)
-        eos[[i for i in self.eos_ids if i < self._vocab]] = True
-        self._eos_mask = mx.array(eos)
-        if self.after_think:
-            # The whole prompt when known: the sequential path passes only
-            # the tokens after the cached prefix to the processor.
-            prompt = self._prompt if self._prompt is not None else np.array(tokens).tolist()
-            self.state = self._thinking_state(list(prompt))
-            if self.state == _MAYBE_THINK:
-                self._extra_ids = [self._think_start[0]]
+        matcher = self.matcher
+        if self.state == _ACTIVE and new and not matcher.consume_tokens(new):
+            return self._fail()
+        if self.state == _DONE:
+            return _EOS
+        if self._trigger is not None and self.state == _ACTIVE and matcher.is_accepting():
+            # The call is closed (nothing can follow it in its grammar).
+            matcher.reset()
+            self.state = _FREE
+            return _PASS
+        if matcher.is_stopped():
+            if matcher.is_error():
+                return self._fail()
+            # Grammar complete: only EOS (whatever llguidance's own stop mask).
+            self.state = _DONE
+            return _EOS
+        return _MASK
 
     def _thinking_state(self, prompt: List[int]) -> str:
         """Where the prompt leaves a thinking model (see the class doc)."""
@@ -439,42 +508,12 @@ class ConstraintProcessor:
         self._recent = []
         return rest
 
-    def _constrain(self, new: List[int], logits: mx.array) -> mx.array:
-        matcher = self.matcher
-        if self.state == _ACTIVE and new and not matcher.consume_tokens(new):
-            return self._fail(logits)
-        if self.state == _DONE or matcher.is_stopped():
-            if matcher.is_error():
-                return self._fail(logits)
-            # Grammar complete: only EOS (whatever llguidance's own stop mask).
-            self.state = _DONE
-            return mx.where(self._eos_mask, logits, -mx.inf)
-        # Fills the reused buffer in place; llguidance drops the GIL here.
-        matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
-        if matcher.is_error():
-            return self._fail(logits)
-        for i in self._extra_ids:
-            self._bitmask.view(np.uint32)[0, i // 32] |= np.uint32(1 << (i % 32))
-        return mx.where(self._allowed(), logits, -mx.inf)
-
-    def _allowed(self) -> mx.array:
-        """The bitmask as a bool row of the logits' width (tokens the
-        tokenizer does not know, beyond its vocabulary, are never allowed)."""
-        words = mx.array(self._bitmask.view(np.uint32))
-        bits = ((words[..., None] >> self._shifts) & 1).reshape(1, -1).astype(mx.bool_)
-        width = bits.shape[1]
-        if width >= self._vocab:
-            return bits[:, : self._vocab]
-        if self._pad is None:  # made once: this runs at every step
-            self._pad = mx.zeros((1, self._vocab - width), dtype=mx.bool_)
-        return mx.concatenate([bits, self._pad], axis=1)
-
-    def _fail(self, logits: mx.array) -> mx.array:
+    def _fail(self) -> str:
         # Never raise inside the batch: remember why and end this request.
         if self.error is None:
             self.error = self.matcher.get_error() or "the output left the grammar"
         self.state = _DONE
-        return mx.where(self._eos_mask, mx.zeros_like(logits), -mx.inf)
+        return _EOS
 
     def stats(self) -> Dict[str, float]:
         return {
@@ -482,6 +521,57 @@ class ConstraintProcessor:
             "mask_seconds": self.mask_seconds,
             "mask_ms_per_step": 1e3 * self.mask_seconds / self.steps if self.steps else 0.0,
         }
+
+
+def _apply(logits: mx.array, needs, tic: float) -> mx.array:
+    """Mask the rows of `logits` as `needs` says ((row, processor, need)):
+    every _MASK row's bitmask filled by its matcher, then one bool
+    array for the whole batch (rows not in `needs`, and _PASS rows, all
+    allowed) and one `where`. `tic`: when the step's work for them began."""
+    if all(need == _PASS for _, _, need in needs):
+        return logits
+    eos = [(e, p) for e, p, need in needs if need == _EOS]
+    masked = [(e, p) for e, p, need in needs if need == _MASK]
+    batch, vocab = logits.shape
+    allowed = np.ones((batch, vocab), dtype=bool)
+    if masked:
+        words = masked[0][1]._words  # one tokenizer per batch
+        bitmask = np.zeros((len(masked), words), dtype=np.int32)
+        # One row after another: llguidance's thread pool (LLExecutor) was
+        # slower here (0.63-0.68x vs 0.68-0.79x of unconstrained at batch 8
+        # on the CPU fixture): a mask takes microseconds, a handoff more.
+        for i, (_, p) in enumerate(masked):
+            row = bitmask[i]
+            p.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
+        known = min(vocab, bits.shape[1])
+        for i, (e, p) in enumerate(masked):
+            if p.matcher.is_error():
+                p._fail()
+                eos.append((e, p))
+                continue
+            allowed[e, :known] = bits[i, :known]
+            # Ids past the tokenizer's vocabulary (padded embeddings) never.
+            allowed[e, known:] = False
+            for t in p._extra_ids:
+                if t < vocab:
+                    allowed[e, t] = True
+    # EOS only, at logit 0: whatever the model (or a logit_bias) gave the
+    # EOS ids, the row samples one of them, never from an all -inf row. (A
+    # row whose EOS ids all lie past the logits can't stop: max_tokens ends it.)
+    at_eos = np.zeros((batch, vocab), dtype=bool)
+    for e, p in eos:
+        at_eos[e, [t for t in p.eos_ids if t < vocab]] = True
+        if at_eos[e].any():
+            allowed[e] = False
+    out = mx.where(mx.array(allowed), logits, -mx.inf)
+    if eos:
+        out = mx.where(mx.array(at_eos), 0.0, out)
+    work = [p for _, p, need in needs if need != _PASS]
+    for p in work:
+        p.steps += 1
+        p.mask_seconds += (time.perf_counter() - tic) / len(work)
+    return out
 
 
 def _find(seq: List[int], sub: Sequence[int]) -> int:
@@ -547,11 +637,38 @@ class ForcedToolCall:
     name: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class StrictToolCalls:
+    """Tools with "strict": true and a tool_choice that leaves the call to
+    the model: any call it opens is held to its tool's schema (a tool without
+    strict: to a JSON object). Compiled by the engine, as ForcedToolCall."""
+
+    tools: Any
+
+    @staticmethod
+    def wanted(tools) -> bool:
+        return isinstance(tools, list) and any(
+            isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and t["function"].get("strict") is True for t in tools)
+
+
+def _loose(tool):
+    """A tool as the strict-tools grammar sees it: non-strict ones take any
+    JSON object as arguments."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or fn.get("strict") is True:
+        return tool
+    return {**tool, "function": {**fn, "parameters": {"type": "object"}}}
+
+
 def grammar_for(constraint, tokenizer) -> Optional[Grammar]:
-    """The grammar of a request's constraint (a Grammar, a ForcedToolCall, or
-    None). Raises ConstraintError."""
+    """The grammar of a request's constraint (a Grammar, a ForcedToolCall, a
+    StrictToolCalls, or None). Raises ConstraintError."""
     if isinstance(constraint, ForcedToolCall):
         return tool_call_grammar(constraint.tools, constraint.name, tokenizer=tokenizer)
+    if isinstance(constraint, StrictToolCalls):
+        return tool_call_grammar([_loose(t) for t in constraint.tools], tokenizer=tokenizer,
+                                 after_open=True)
     return constraint
 
 
@@ -560,7 +677,12 @@ def processor_for(constraint, tokenizer, prompt=None,
     """The logits processor of a request's constraint, for the request whose
     prompt is `prompt` (its token ids; `chat`: from a chat template, which may
     have the model open a thinking block). Raises ConstraintError."""
-    grammar = grammar_for(constraint, tokenizer)
+    try:
+        grammar = grammar_for(constraint, tokenizer)
+    except ConstraintUnavailable:
+        if isinstance(constraint, StrictToolCalls):
+            return None  # best effort, as the API decided for the loaded model
+        raise
     if grammar is None:
         return None
     return ConstraintProcessor(grammar, tokenizer, after_think=True, prompt=prompt,

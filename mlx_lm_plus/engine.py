@@ -558,7 +558,7 @@ class Engine:
     def _load(self, args):
         self._idle()  # a load may take minutes: not a stuck step
         try:
-            return self.model_provider.load(
+            loaded = self.model_provider.load(
                 args.model.model, args.model.adapter, args.model.draft
             )
         except Exception as e:
@@ -566,6 +566,50 @@ class Engine:
             raise ModelLoadError(str(e)) from e
         finally:
             self._beat("admitting a request")
+        self._attach_disk()
+        return loaded
+
+    def _attach_disk(self):
+        """With --prompt-cache-dir: the loaded model's disk tier, opened once
+        per model (its index read, so conversations resume after a restart).
+
+        Its folder is named by model_identity: the model's and the adapter's
+        files, and what else shapes a stored cache (the store's --prompt-
+        cache-bits, --kv-bits, a draft model, whose layers the sequential
+        path's caches carry), so another model or setting never reads these
+        entries. Not under mx.distributed (every rank holds a shard of the
+        same identity)."""
+        args = self.cli_args
+        key = self.model_provider.model_key
+        if (not getattr(args, "prompt_cache_dir", None) or key is None
+                or self._is_distributed or self.store.disk_for(key) is not None):
+            return
+        from .disk_cache import DiskTier, model_identity
+
+        model, adapter, draft = key
+        extra = f"bits={self.store.bits},group={self.store.group_size}"
+        if args.kv_bits is not None:
+            extra += (f",kv_bits={args.kv_bits},kv_group={args.kv_group_size},"
+                      f"kv_start={args.quantized_kv_start}")
+        if draft is not None:
+            extra += f",draft={model_identity(draft)}"
+        try:
+            tier = DiskTier(args.prompt_cache_dir, args.prompt_cache_disk_bytes,
+                            model_identity(model, adapter, extra=extra))
+        except Exception:  # the server goes on with the memory tier alone
+            logging.exception("Prompt cache on disk disabled")
+            return
+        self.store.attach_disk(key, tier)
+        s = tier.snapshot()
+        logging.info(f"Prompt cache on disk: {s['directory']} ({s['entries']} entries, "
+                     f"{s['bytes'] / 1e6:.1f}/{s['max_bytes'] / 1e6:.0f} MB"
+                     + ("" if s["enabled"] else ", disabled") + ")")
+
+    def _save_to_disk(self):
+        """At shutdown, on this thread (the entries' arrays are its own):
+        memory entries to the disk tiers, within --shutdown-timeout."""
+        if getattr(self.cli_args, "prompt_cache_dir", None):
+            self.store.save_to_disk(self.cli_args.shutdown_timeout)
 
     def _fetch_cache(self, key):
         """(a private copy of the best cached prefix or None, tokens it covers)."""
@@ -579,6 +623,8 @@ class Engine:
             f"{s['bytes'] / 1e6:.1f}/{s['budget_bytes'] / 1e6:.0f} MB, hits {s['hits']}, "
             f"misses {s['misses']}, evictions {s['evictions']}, "
             f"tokens saved {s['prompt_tokens_saved']}"
+            + (f"; on disk {s['disk']['entries']} entries, {s['disk']['bytes'] / 1e6:.1f} MB"
+               if s.get("disk") else "")
         )
 
     def _store(self, key, cache, kind):
@@ -608,6 +654,7 @@ class Engine:
         # distributed synchronisation uses.
         stream = mx.default_stream(mx.default_device())
         self.model_provider.load_default()
+        self._attach_disk()
 
         drain = False
         self._batch, self._pending = None, []  # taken off the queue, not yet placed
@@ -673,6 +720,7 @@ class Engine:
 
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
+        self._save_to_disk()
         self.model_provider.reset()
         gc.collect()
 

@@ -120,10 +120,50 @@ class _LiveCollector:
             f = family(f"{PREFIX}_{name}", doc)
             f.add_metric([], value)
             yield f
+        disk = cache.get("disk")
+        if disk is not None:  # --prompt-cache-dir
+            for family, name, doc, key in (
+                    (CounterMetricFamily, "cache_disk_writes", "Prompt cache files written",
+                     "writes"),
+                    (CounterMetricFamily, "cache_disk_write_errors",
+                     "Prompt cache file writes that failed (a full disk pauses writing)",
+                     "write_errors"),
+                    (CounterMetricFamily, "cache_disk_dropped_writes",
+                     "Prompt cache entries not written (queue full, writing paused)",
+                     "dropped_writes"),
+                    (CounterMetricFamily, "cache_disk_corrupt",
+                     "Prompt cache files found unreadable and deleted", "corrupt"),
+                    (CounterMetricFamily, "cache_disk_evictions",
+                     "Prompt cache files evicted for --prompt-cache-disk-bytes", "evictions"),
+                    (GaugeMetricFamily, "cache_disk_budget_bytes",
+                     "Byte budget of the prompt cache on disk, per model", "max_bytes"),
+                    (GaugeMetricFamily, "cache_disk_queued_bytes",
+                     "Bytes of evicted entries waiting to be written", "queued_bytes")):
+                f = family(f"{PREFIX}_{name}", doc)
+                f.add_metric([], disk[key])
+                yield f
         lookups = dict(cache["hits"], miss=cache["misses"])
+        results = ("exact", "prefix", "checkpoint", "trimmed", "miss")
+        if disk is not None:
+            results += ("disk",)
+        tiers = {"memory": cache["memory"]}
+        if disk is not None:
+            tiers["disk"] = disk
         labelled = [  # (family, name, help, label, {label value: value})
             (CounterMetricFamily, "cache_lookups", "Prompt cache lookups by result", "result",
-             {k: lookups.get(k, 0) for k in ("exact", "prefix", "checkpoint", "trimmed", "miss")}),
+             {k: lookups.get(k, 0) for k in results}),
+            (GaugeMetricFamily, "cache_tier_bytes", "Bytes held by each prompt cache tier",
+             "tier", {k: t["bytes"] for k, t in tiers.items()}),
+            (GaugeMetricFamily, "cache_tier_tokens",
+             "Tokens covered by each prompt cache tier's entries", "tier",
+             {k: t["tokens"] for k, t in tiers.items()}),
+            (GaugeMetricFamily, "cache_tier_entries", "Entries of each prompt cache tier",
+             "tier", {k: t["entries"] for k, t in tiers.items()}),
+            (CounterMetricFamily, "cache_tier_hits", "Prompt cache hits served by each tier",
+             "tier", {k: cache["hits_by_tier"][k] for k in tiers}),
+            (GaugeMetricFamily, "cache_tier_bytes_per_token",
+             "Bytes per cached token in each prompt cache tier", "tier",
+             {k: t["bytes_per_token"] or 0 for k, t in tiers.items()}),
         ]
         vision = engine.vision_stats()
         if vision is not None:

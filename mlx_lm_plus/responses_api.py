@@ -369,6 +369,8 @@ def _tools(tools) -> Tuple[list, Optional[list]]:
             if not isinstance(parameters, dict):
                 raise RequestError(f"tools[{i}].parameters: must be an object (a JSON schema)")
             function["parameters"] = parameters
+        if tool.get("strict") is True:  # explicit only: held to the schema
+            function["strict"] = True
         chat.append({"type": "function", "function": function})
     echo = [dict(t) for t in tools]
     return echo, chat or None

@@ -38,7 +38,13 @@ OUR_FLAGS = (
     "--responses-store-size",
     "--responses-store-bytes",
     "--responses-store-ttl",
+    "--prompt-cache-bits",
+    "--prompt-cache-dir",
+    "--prompt-cache-disk-bytes",
 )
+
+# --prompt-cache-disk-bytes when only --prompt-cache-dir is given.
+DEFAULT_DISK_BYTES = "10GB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +217,38 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1800; 0 keeps entries until evicted)",
     )
     parser.add_argument(
+        "--prompt-cache-bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="(mlx_lm_plus) Store the prompt cache's attention keys and values "
+        "quantized to this many bits (group size: --kv-group-size), dequantized "
+        "on reuse: --prompt-cache-bytes then holds about 1.9x (8) or 3.6x (4) "
+        "the tokens of a float16 cache, but a reused prefix is no longer exact, so "
+        "replies may differ from an uncached run (default: off)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        type=str,
+        default=None,
+        help="(mlx_lm_plus) Keep a second tier of the prompt cache on disk, in "
+        "this folder: entries evicted from memory are written there (off the "
+        "generation thread), read back when a request needs them, and found "
+        "again after a restart; on SIGTERM/SIGINT the entries still in memory "
+        "are written out, most recently used first, within --shutdown-timeout. "
+        "Entries are kept per model identity (its config and weight files, "
+        "adapters, --prompt-cache-bits, --kv-bits), so another model never "
+        "reads them (default: off)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_parse_size,
+        default=None,
+        help="(mlx_lm_plus) Most bytes of prompt cache files per model in "
+        "--prompt-cache-dir, least recently used out first (default: "
+        f"{DEFAULT_DISK_BYTES})",
+    )
+    parser.add_argument(
         "--allow-model-loading",
         action="store_true",
         help="(mlx_lm_plus) Let requests load other local paths or repos named "
@@ -371,6 +409,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.allowed_origins = args.allowed_origins.split(",")
     if args.step_timeout < 0 or args.watchdog_grace < 0:
         parser.error("--step-timeout and --watchdog-grace must be at least 0")
+    if args.prompt_cache_bits is not None and args.kv_group_size not in (32, 64, 128):
+        parser.error("--prompt-cache-bits needs a --kv-group-size of 32, 64 or 128")
+    if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
+        parser.error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+    if args.prompt_cache_dir and args.prompt_cache_disk_bytes is None:
+        args.prompt_cache_disk_bytes = _parse_size(DEFAULT_DISK_BYTES)
     return args
 
 

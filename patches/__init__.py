@@ -10,13 +10,20 @@ Nothing is patched on import: `Engine.start()` calls `apply_all()`, and so
 must any other code that runs these models without an engine.
 """
 
-from . import jamba_padding, mamba_padding, nemotron_h_ssm_lengths, olmo_hybrid_conv_padding
+from . import (
+    batched_logits_processors,
+    jamba_padding,
+    mamba_padding,
+    nemotron_h_ssm_lengths,
+    olmo_hybrid_conv_padding,
+)
 
 PATCHES = [
     nemotron_h_ssm_lengths,
     mamba_padding,
     jamba_padding,
     olmo_hybrid_conv_padding,
+    batched_logits_processors,
 ]
 
 

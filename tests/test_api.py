@@ -71,7 +71,8 @@ async def served(aiohttp_client, app):
 
 def make_client(aiohttp_client, engine, argv=()):
     args = parse_args(["--model", "m", *argv])
-    provider = Namespace(model=None, tokenizer=None, is_served=lambda desc: True)
+    provider = Namespace(model=None, tokenizer=None, is_served=lambda desc: True,
+                         key_for=lambda desc: (desc.model, desc.adapter, None))
     server = Server(args, engine, provider, "fp")
     return served(aiohttp_client, make_app(server))
 

@@ -525,3 +525,401 @@ def test_matches_the_per_token_trie(seed):
     assert len(store) > 0 or limits["max_bytes"] < (1 << 30)
     store.clear()
     assert store.nbytes == store.index_bytes == 0 and not store._roots
+
+
+# -- quantized storage (--prompt-cache-bits) --
+
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache  # noqa: E402
+
+from mlx_lm_plus.cache import StoredKV, quantize_for_store, restore_from_store  # noqa: E402
+from mlx_lm_plus.vision import MRopeKVCache  # noqa: E402
+
+HEADS, DIM = 4, 64  # head dim 64: one quantization group per head and token
+
+
+def real_kv(n, seed=0, cls=KVCache, dtype=mx.float16, **attrs):
+    """A KV layer of n tokens of random keys/values (scaled differently per
+    head, so the groups have different quantization steps)."""
+    c = cls(**attrs)
+    mx.random.seed(seed)
+    scale = mx.array([0.1, 1.0, 4.0, 30.0])[None, :, None, None]
+    k = (mx.random.normal((1, HEADS, n, DIM)) * scale).astype(dtype)
+    v = (mx.random.normal((1, HEADS, n, DIM)) * scale + 1.0).astype(dtype)
+    c.update_and_fetch(k, v)  # a 256-token buffer, as generation leaves it
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def quantized_bytes(layer):
+    if isinstance(layer, StoredKV):
+        return sum(x.nbytes for x in (*layer.keys, *layer.values))
+    return layer.nbytes
+
+
+def test_quantized_entries_hold_more_tokens_per_byte():
+    # float16 at group size 64: 16 bits per element stored as `bits` bits plus
+    # a float16 scale and bias per 64 elements (0.5 bits): 16/8.5 = 1.88 for
+    # 8 bits, 16/4.5 = 3.56 for 4 bits.
+    n = 64
+    sizes = {}
+    for bits in (None, 8, 4):
+        store = PromptStore(max_bytes=1 << 30, bits=bits, group_size=64)
+        store.insert(MODEL, list(range(1, n + 1)), [real_kv(n), real_kv(n, seed=1)])
+        (entry,) = store.entries()
+        sizes[bits] = entry.nbytes
+        assert entry.nbytes == store.kv_bytes == sum(quantized_bytes(c) for c in entry.cache)
+    ratio8, ratio4 = sizes[None] / sizes[8], sizes[None] / sizes[4]
+    print(f"tokens per byte vs unquantized: 8 bits {ratio8:.3f}, 4 bits {ratio4:.3f}")
+    assert ratio8 == pytest.approx(16 / 8.5) and ratio8 > 1.8
+    assert ratio4 == pytest.approx(16 / 4.5) and ratio4 > 3.2
+
+    # Under one byte budget (index bytes included), the store keeps that many
+    # more tokens: 70 distinct 64-token prompts into room for about 16.
+    budget = 16 * sizes[None] // 2  # sizes: two layers; these entries: one
+    held = {}
+    for bits in (None, 8, 4):
+        store = PromptStore(max_bytes=budget, bits=bits)
+        for i in range(70):
+            store.insert(MODEL, [1000 + i] + list(range(n - 1)), [real_kv(n, seed=i)])
+            assert store.nbytes <= budget
+        held[bits] = store.snapshot()["cached_tokens"]
+    print(f"tokens held in {budget} bytes: {held}")
+    assert held[8] / held[None] > 1.8 and held[4] / held[None] > 3.2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_quantized_round_trip_within_one_step(bits, dtype):
+    original = real_kv(40, dtype=dtype)
+    keys, values = original.keys[..., :40, :], original.values[..., :40, :]
+    store = PromptStore(max_bytes=1 << 30, bits=bits)
+    store.insert(MODEL, list(range(40)), [original])
+    (entry,) = store.entries()
+    stored = entry.cache[0]
+    assert isinstance(stored, StoredKV) and stored.keys[0].dtype == mx.uint32
+    f = store.fetch(MODEL, list(range(41)))
+    (c,) = f.cache
+    assert (f.kind, f.cached, c.offset) == ("prefix", 40, 40)
+    assert type(c) is KVCache and c.keys.dtype == c.values.dtype == dtype
+    assert c.keys.shape == keys.shape and c.values.shape == values.shape
+    ulp = {mx.float16: 2**-10, mx.bfloat16: 2**-7, mx.float32: 2**-23}[dtype]
+    for got, want, (_, scales, _) in ((c.keys, keys, stored.keys),
+                                      (c.values, values, stored.values)):
+        got, want = got.astype(mx.float32), want.astype(mx.float32)
+        # A group: one head's DIM elements of one token (scales: one per group).
+        step = mx.abs(scales.astype(mx.float32))
+        top, low = mx.max(want, axis=-1, keepdims=True), mx.min(want, axis=-1, keepdims=True)
+        # Within one step of its group (MLX's affine rounding makes the group's
+        # largest magnitude exact and may then leave the other end up to a step
+        # off), plus the rounding of the result to `dtype` at the group's scale.
+        bound = step * 1.01 + 2 * ulp * mx.maximum(mx.abs(top), mx.abs(low))
+        assert mx.all(mx.abs(got - want) <= bound).item()
+        # And the step is what `bits` bits give: the spread over 2**bits - 1
+        # levels, at most one fewer (that exact largest magnitude).
+        assert mx.all(step <= (top - low) / (2**bits - 2) * 1.01).item()
+
+
+def test_quantized_keeps_class_and_rope_delta():
+    store = PromptStore(max_bytes=1 << 30, bits=4)
+    store.insert(MODEL, list(range(1, 11)), [real_kv(10, cls=MRopeKVCache, rope_delta=-7)])
+    (entry,) = store.entries()
+    assert isinstance(entry.cache[0], StoredKV)
+    for key, kind, n in (([*range(1, 11), 99], "prefix", 10),  # the whole entry
+                         ([*range(1, 11)], "exact", 9),  # trimmed by one
+                         ([1, 2, 3, 4, 99], "trimmed", 4)):
+        f = store.fetch(MODEL, key)
+        (c,) = f.cache
+        assert (f.kind, c.offset, c.keys.shape[2]) == (kind, n, n)
+        assert type(c) is MRopeKVCache and c.rope_delta == -7
+        c.rope_delta = 5  # the copy's own
+    assert store.fetch(MODEL, [*range(1, 11), 99]).cache[0].rope_delta == -7
+
+
+def test_quantized_trimmed_fetch_equals_dequantized_full_cut():
+    store = PromptStore(max_bytes=1 << 30, bits=4)
+    store.insert(MODEL, list(range(1, 21)), [real_kv(20), real_kv(20, seed=3)])
+    full = store.fetch(MODEL, [*range(1, 21), 99]).cache
+    for key, kind, n in (([*range(1, 8), 50, 51], "trimmed", 7),
+                         ([*range(1, 21)], "exact", 19)):
+        f = store.fetch(MODEL, key)
+        assert (f.kind, f.cached) == (kind, n)
+        for got, whole in zip(f.cache, full):
+            assert got.offset == n
+            assert mx.array_equal(got.keys, whole.keys[..., :n, :]).item()
+            assert mx.array_equal(got.values, whole.values[..., :n, :]).item()
+
+
+def test_quantized_generation_never_mutates_the_entry():
+    store = PromptStore(max_bytes=1 << 30, bits=8)
+    store.insert(MODEL, list(range(1, 11)), [real_kv(10)])
+    first = store.fetch(MODEL, [*range(1, 11), 99]).cache[0]
+    keys = mx.array(first.keys)
+    first.update_and_fetch(mx.zeros((1, HEADS, 3, DIM), mx.float16),
+                           mx.zeros((1, HEADS, 3, DIM), mx.float16))
+    first.keys[..., :2, :] = 0
+    first.trim(5)
+    again = store.fetch(MODEL, [*range(1, 11), 99]).cache[0]
+    assert again.offset == 10 and mx.array_equal(again.keys, keys).item()
+
+
+def test_quantized_hybrid_stores_other_layers_as_they_are():
+    def layers(n):
+        a = ArraysCache(2)
+        mx.random.seed(n)
+        a[0] = mx.random.normal((1, 3, 8)).astype(mx.bfloat16)
+        a[1] = mx.random.normal((1, 4))
+        rot = RotatingKVCache(max_size=8)
+        rot.update_and_fetch(*(mx.random.normal((1, 2, n, DIM)).astype(mx.float16),) * 2)
+        chunk = ChunkedKVCache(chunk_size=4)
+        chunk.update_and_fetch(*(mx.random.normal((1, 2, n, DIM)).astype(mx.float16),) * 2)
+        return [a, rot, chunk, real_kv(n)]
+
+    inserted = layers(12)
+    before = copy.deepcopy(inserted)
+    store = PromptStore(max_bytes=1 << 30, bits=4)
+    store.insert(MODEL, list(range(12)), inserted, kind="checkpoint")
+    (entry,) = store.entries()
+    assert [type(c) for c in entry.cache] == [ArraysCache, RotatingKVCache, ChunkedKVCache,
+                                              StoredKV]
+    assert store.kv_bytes == sum(quantized_bytes(c) for c in entry.cache)
+    assert store.kv_bytes < cache_nbytes(before)
+    f = store.fetch(MODEL, list(range(13)))
+    assert (f.kind, f.cached) == ("checkpoint", 12)
+    got = f.cache
+    assert [type(c) for c in got] == [ArraysCache, RotatingKVCache, ChunkedKVCache, KVCache]
+    for g, b in zip(got[:3], before[:3]):  # bit-exact, dtype included
+        gs, bs = tree_flatten(g.state), tree_flatten(b.state)
+        assert [k for k, _ in gs] == [k for k, _ in bs] and len(gs) >= 2
+        for (_, x), (_, y) in zip(gs, bs):
+            if isinstance(x, mx.array):
+                assert x.dtype == y.dtype and mx.array_equal(x, y).item()
+            else:
+                assert x == y
+    assert got[3].keys.dtype == mx.float16 and got[3].offset == 12
+    # Not trimmable as a whole (the ArraysCache): no trimmed or exact fetch.
+    assert store.fetch(MODEL, [0, 1, 2, 99]).kind == "miss"
+
+
+def test_quantized_byte_accounting_through_evictions():
+    rng = random.Random(5)
+    store = PromptStore(max_bytes=60_000, max_sequences=5, bits=4)
+    for i in range(60):
+        n = rng.randrange(2, 40)
+        prefix = rng.choice([[], [7, 7, 7], [1, 2, 3, 4, 5, 6]])
+        key = prefix + [rng.randrange(100, 120) for _ in range(n)]
+        make = rng.choice([lambda n: [real_kv(n, seed=i)],
+                           lambda n: [ArraysCache(1), real_kv(n, seed=i)]])
+        cache = make(len(key))
+        if isinstance(cache[0], ArraysCache):
+            cache[0][0] = mx.full((1, 4), float(i))
+        store.insert(MODEL, key, cache, kind=rng.choice(["prompt", "checkpoint"]))
+        entries = store.entries()
+        assert store.kv_bytes == sum(e.nbytes for e in entries)
+        assert store.kv_bytes == sum(quantized_bytes(c) for e in entries for c in e.cache)
+        assert store.index_bytes == store.recount()["index_bytes"]
+        assert store.nbytes <= store.max_bytes and store.leaf_count() <= 5
+        if rng.random() < 0.3:
+            store.fetch(MODEL, key[: rng.randrange(1, len(key) + 1)])
+    assert store.snapshot()["evictions"] > 0 and store.snapshot()["bits"] == 4
+    store.clear()
+    assert store.kv_bytes == 0 and store.index_bytes == 0
+
+
+def test_quantization_skips_what_it_cannot_group_and_bits_none_stores_as_given():
+    # Head dim 4: group size 64 does not divide it; stored as it is.
+    store = PromptStore(max_bytes=1 << 30, bits=4)
+    store.insert(MODEL, [1, 2, 3], [kv(3)])
+    (entry,) = store.entries()
+    assert type(entry.cache[0]) is KVCache and entry.nbytes == 2 * 3 * 4 * 4
+    # bits=None: the very layers inserted, handed out as deep copies.
+    store = PromptStore(max_bytes=1 << 30)
+    cache = [real_kv(5)]
+    store.insert(MODEL, [1, 2, 3, 4, 5], cache)
+    (entry,) = store.entries()
+    assert entry.cache is cache and store.snapshot()["bits"] is None
+    assert quantize_for_store(cache, None, 64) is cache
+    got = store.fetch(MODEL, [1, 2, 3, 4, 5, 6]).cache[0]
+    assert got is not cache[0] and mx.array_equal(got.keys, cache[0].keys).item()
+    assert restore_from_store(cache, 2)[0].offset == 3 and cache[0].offset == 5
+
+
+def test_bad_quantization_settings_fail_at_construction():
+    with pytest.raises(ValueError):
+        PromptStore(max_bytes=1 << 30, bits=4, group_size=48)
+
+
+# -- the disk tier (--prompt-cache-dir): what leaves memory goes to disk --
+
+from mlx_lm_plus.disk_cache import DiskTier  # noqa: E402
+
+
+def arrays_of(cache):
+    """Every array of a cache's layers' states, as lists (an exact compare),
+    and the scalars beside them."""
+    def walk(x):
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        if isinstance(x, mx.array):
+            return (str(x.dtype), x.shape, x.tolist())
+        return x
+
+    return [walk(c.state) for c in cache]
+
+
+def with_disk(tmp_path, max_bytes, **kw):
+    store = PromptStore(max_bytes=max_bytes, **kw)
+    tier = DiskTier(str(tmp_path / "disk"), 1 << 30, "m")
+    assert tier.enabled
+    store.attach_disk(MODEL, tier)
+    return store, tier
+
+
+def test_evicted_entry_goes_to_disk_and_a_fetch_reads_it_back_exactly(tmp_path):
+    a_key, b_key = list(range(1, 41)), list(range(500, 540))
+    one = _holding([a_key], lambda n: [real_kv(n), real_kv(n, seed=1)])
+    store, tier = with_disk(tmp_path, max_bytes=one + one // 2)  # room for one
+    store.insert(MODEL, a_key, [real_kv(40), real_kv(40, seed=1)])
+    (a,) = store.entries()
+    want = arrays_of(a.cache)
+    store.insert(MODEL, b_key, [real_kv(40, seed=2), real_kv(40, seed=3)])
+    assert tier.flush(10)
+    # A left memory (not counted there any more) and is on disk.
+    (b,) = store.entries()
+    assert b.key == tuple(b_key) and store.kv_bytes == b.nbytes
+    snap = store.snapshot()
+    assert snap["evictions"] == 1 and snap["disk"]["entries"] == 1
+    assert snap["disk"]["spilled"] == 1 and snap["disk"]["tokens"] == 40
+    assert snap["memory"] == {"entries": 1, "bytes": store.nbytes, "tokens": 40, "hits": 0,
+                              "bytes_per_token": round(store.nbytes / 40, 1)}
+
+    # The next turn of A: a disk hit with exactly A's arrays.
+    found = store.fetch(MODEL, a_key + [7, 8])
+    assert (found.kind, found.cached) == ("disk", 40)
+    assert arrays_of(found.cache) == want
+    snap = store.snapshot()
+    assert snap["hits"] == {"disk": 1} and snap["hits_by_tier"] == {"memory": 0, "disk": 1}
+    assert snap["prompt_tokens_saved"] == 40 and snap["disk"]["hits"] == 1
+    # A copy went back into memory (B made room for it, to disk in turn).
+    assert tier.flush(10)
+    assert [e.key for e in store.entries()] == [tuple(a_key)]
+    assert store.snapshot()["disk"]["entries"] == 2
+    again = store.fetch(MODEL, a_key + [7, 8])
+    assert (again.kind, again.cached) == ("prefix", 40) and arrays_of(again.cache) == want
+    assert store.snapshot()["hits_by_tier"] == {"memory": 1, "disk": 1}
+    tier.close()
+
+
+def test_disk_hit_of_the_exact_key_is_trimmed_like_a_memory_one(tmp_path):
+    key = list(range(1, 31))
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    store.insert(MODEL, key, [real_kv(30)])
+    want = store.fetch(MODEL, key)  # memory: the entry cut by one token
+    assert (want.kind, want.cached) == ("exact", 29)
+    store.trim_to(0)  # evicted
+    assert tier.flush(10) and len(store) == 0
+    found = store.fetch(MODEL, key)
+    assert (found.kind, found.cached) == ("disk", 29)
+    assert found.cache[0].offset == 29 and arrays_of(found.cache) == arrays_of(want.cache)
+    tier.close()
+
+
+def test_memory_wins_a_tie_and_disk_wins_when_it_covers_more(tmp_path):
+    # Hybrid caches (not trimmable): prefix entries stay beside longer ones.
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    system, turn = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]
+    store.insert(MODEL, turn, hybrid(8))
+    store.trim_to(0)  # the turn is on disk
+    assert tier.flush(10)
+    store.insert(MODEL, system, hybrid(4), kind="system")
+    assert store.fetch(MODEL, system + [9]).kind == "checkpoint"  # memory alone covers it
+    found = store.fetch(MODEL, turn + [9])
+    assert (found.kind, found.cached) == ("disk", 8)
+    assert found.cache[0][0].tolist() == [[8.0] * 4]
+    # Now in memory too: both cover 8 tokens, memory serves.
+    assert tier.snapshot()["entries"] == 1
+    assert store.fetch(MODEL, turn + [9]).kind == "prefix"
+    tier.close()
+
+
+def test_unreadable_disk_entry_is_a_miss_and_memory_serves(tmp_path):
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    turn = list(range(1, 21))
+    store.insert(MODEL, turn, hybrid(20))
+    store.trim_to(0)
+    assert tier.flush(10)
+    store.insert(MODEL, turn[:5], hybrid(5), kind="system")
+    for f in (tmp_path / "disk" / "m").glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])  # torn
+    found = store.fetch(MODEL, turn + [99])
+    assert (found.kind, found.cached) == ("checkpoint", 5)
+    assert tier.snapshot()["corrupt"] == 1 and tier.snapshot()["entries"] == 0
+    assert not list((tmp_path / "disk" / "m").glob("*.safetensors"))
+    tier.close()
+
+
+def test_quantized_entries_come_back_from_disk_as_memory_would_give_them(tmp_path):
+    key = list(range(1, 41))
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30, bits=4)
+    store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1, cls=MRopeKVCache)])
+    store.entries()[0].cache[1].extra["rope_delta"] = 5
+    want = store.fetch(MODEL, key[:30] + [999])  # trimmed, dequantized
+    store.trim_to(0)
+    assert tier.flush(10)
+    found = store.fetch(MODEL, key[:30] + [999])
+    assert (found.kind, found.cached) == ("disk", 30)
+    assert type(found.cache[1]) is MRopeKVCache and found.cache[1].rope_delta == 5
+    assert arrays_of(found.cache) == arrays_of(want.cache)
+    (back,) = store.entries()  # back in memory still quantized
+    assert isinstance(back.cache[0], StoredKV) and back.ntokens == 40
+    tier.close()
+
+
+def test_what_leaves_memory_for_which_reason_goes_to_disk(tmp_path):
+    now = [0.0]
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30, ttl=10, clock=lambda: now[0])
+    store.insert(MODEL, [1, 2, 3], [kv(3)])
+    store.insert(MODEL, [1, 2, 3, 4, 5], [kv(5)])  # [1, 2, 3]: redundant, not written
+    store.insert(MODEL, [7, 7], [kv(2)])
+    store.clear()  # cleared: not written
+    assert tier.flush(10) and tier.snapshot()["entries"] == 0
+    store.insert(MODEL, [8, 8, 8], [kv(3)])
+    now[0] = 20.0
+    assert store.fetch(MODEL, [9]).kind == "miss"  # expires [8, 8, 8]: written
+    assert tier.flush(10) and tier.snapshot()["entries"] == 1
+    assert store.fetch(MODEL, [8, 8, 8, 1]).kind == "disk"
+    tier.close()
+
+
+def test_save_to_disk_writes_the_memory_entries_for_a_restart(tmp_path):
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    keys = [[i, i + 1, i + 2, i + 3] for i in range(0, 50, 10)]
+    for i, key in enumerate(keys):
+        store.insert(MODEL, key, [real_kv(4, seed=i)])
+    want = {tuple(e.key): arrays_of(e.cache) for e in store.entries()}
+    assert store.save_to_disk(timeout=30) == 5
+    assert not tier.enabled  # closed
+    # A restart: a new store and tier on the same folder.
+    store2, tier2 = with_disk(tmp_path, max_bytes=1 << 30)
+    assert tier2.snapshot()["entries"] == 5
+    for key in keys:
+        found = store2.fetch(MODEL, key + [1])
+        assert (found.kind, found.cached) == ("disk", 4)
+        assert arrays_of(found.cache) == want[tuple(key)]
+    # No time left: nothing written, nothing raised, the tier closed.
+    assert store2.save_to_disk(timeout=0) == 0 and not tier2.enabled
+
+
+def test_clear_empties_the_disk_tier_too(tmp_path):
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    store.insert(MODEL, [1, 2, 3], [kv(3)])
+    store.trim_to(0)
+    store.insert(MODEL, [5, 6, 7], [kv(3)])
+    assert tier.flush(10) and tier.snapshot()["entries"] == 1
+    store.clear()
+    assert len(store) == 0 and tier.snapshot()["entries"] == 0
+    assert not list((tmp_path / "disk" / "m").glob("*.safetensors"))
+    assert store.fetch(MODEL, [1, 2, 3, 4]).kind == "miss"
+    tier.close()
+    # The rows went too: a restart finds nothing.
+    assert DiskTier(str(tmp_path / "disk"), 1 << 30, "m").snapshot()["entries"] == 0

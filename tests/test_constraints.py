@@ -16,10 +16,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
+import patches
+
 from mlx_lm_plus.constraints import (
     ConstraintError,
     ConstraintProcessor,
+    StrictToolCalls,
     compile_response_format,
+    grammar_for,
     mask_cost,
     processor_for,
     tool_call_grammar,
@@ -76,7 +80,19 @@ def schema_format(schema):
 
 @pytest.fixture(scope="module")
 def qwen3(fixture_path):
+    patches.apply_all()  # the batched step, as the engine runs it
     return load(str(fixture_path("qwen3")))
+
+
+@pytest.fixture(params=["batched", "per_row"])
+def step_kind(request):
+    """Both ways a batch reaches the processor: one process_batch call per
+    step (patches/batched_logits_processors) and upstream's per-row calls."""
+    patch = patches.batched_logits_processors
+    if request.param == "per_row":
+        patch.revert()
+    yield request.param
+    patch.apply()
 
 
 def prompt_of(tok, text, **kw):
@@ -217,7 +233,7 @@ def test_bad_tools_raise(qwen3):
             "type": "array", "uniqueItems": True}}}], tokenizer=tok)
 
 
-def test_batch_independence(qwen3):
+def test_batch_independence(qwen3, step_kind):
     """A constrained and an unconstrained request in one batch each give what
     they give alone (different prompt lengths: padding is exercised too)."""
     model, tok = qwen3
@@ -401,3 +417,61 @@ def test_mask_cost(qwen3):
         grammar = compile_response_format(schema_format(dict(SCHEMAS)[name]))
         cost = mask_cost(grammar, tok, json.dumps(sample))
         assert cost["tokens"] > 3 and 0 < cost["median_us"] < 5000, (name, cost)
+
+
+def test_strict_tools_free_then_call_then_free(qwen3):
+    """Strict tools, the model's choice: logits pass until <tool_call>, the
+    call is held to its tool's schema, and after </tool_call> logits pass
+    again (text or a second call); a call that breaks the schema fails."""
+    _, tok = qwen3
+    strict = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
+    grammar = grammar_for(StrictToolCalls(strict), tok)
+    prompt = prompt_of(tok, "x", tools=strict)
+    logits = mx.zeros((1, len(tok.vocab)))
+
+    def run(text):
+        """(processor, per step: whether every id was allowed, all allowed)."""
+        proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
+        seq = list(prompt)
+        out, free = proc(mx.array(seq), logits), []
+        for t in tok.encode(text, add_special_tokens=False):
+            finite = mx.isfinite(out[0])
+            free.append(bool(finite.all().item()))
+            if not finite[t].item():
+                return proc, free, False
+            seq.append(t)
+            out = proc(mx.array(seq), logits)
+        free.append(bool(mx.isfinite(out).all().item()))
+        return proc, free, True
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    text = "Let me look. " + call + "\nDone."
+    proc, free, ok = run(text)
+    assert ok and proc.error is None
+    n_text = len(tok.encode("Let me look. ", add_special_tokens=False))
+    n_call = len(tok.encode(call, add_special_tokens=False))
+    assert all(free[: n_text + 1])  # free until <tool_call> is written
+    assert not any(free[n_text + 1 : n_text + n_call])  # the call: masked
+    assert all(free[n_text + n_call :])  # free again after </tool_call>
+    # Missing "unit": the schema refuses the closing brace.
+    proc, _, ok = run('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert not ok
+    assert StrictToolCalls.wanted(strict) and not StrictToolCalls.wanted(TOOLS)
+
+
+def test_eos_only_rows_are_finite_whatever_the_logits(qwen3):
+    """A finished or failed row samples EOS even when the logits (a logit_bias
+    of -100, -inf) rule EOS out: never an all -inf row (NaN logprobs)."""
+    _, tok = qwen3
+    proc = ConstraintProcessor(compile_response_format({"type": "json_object"}), tok)
+    prompt = prompt_of(tok, "x")
+    logits = mx.zeros((1, len(tok.vocab)))
+    for t in tok.eos_token_ids:
+        logits[0, t] = -mx.inf
+    proc(mx.array(prompt), logits)
+    bad = tok.encode("hello", add_special_tokens=False)[0]
+    out = proc(mx.array(prompt + [bad]), logits)  # refused: EOS only
+    assert proc.error
+    finite = mx.isfinite(out[0]).tolist()
+    assert {i for i, f in enumerate(finite) if f} == set(tok.eos_token_ids)
+    assert not mx.isnan(out - mx.logsumexp(out, axis=-1, keepdims=True)).any().item()

@@ -30,6 +30,8 @@ async def test_dashboard_updates_live_and_saves_a_screenshot(fixture_path, tmp_p
             page = await browser.open(server.url + "/dashboard")
             await page.wait_for("typeof state !== 'undefined' && state.polls >= 1")
             assert await page.evaluate("document.getElementById('status').textContent") == "ok"
+            # No --prompt-cache-dir: the disk tier's figure says so.
+            assert await page.evaluate("document.getElementById('k-disk').textContent") == "off"
             assert await page.evaluate(points("chart-ttft")) == 0
             assert await page.evaluate("document.querySelectorAll('#entries tbody tr').length") == 0
 

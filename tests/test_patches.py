@@ -1,6 +1,7 @@
 """Each patch in patches/ fixes a bug that shows without it, and applies
 only to the mlx-lm it was written for."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -147,3 +148,76 @@ def test_nothing_is_patched_on_import(how, fixture_path):
     out = subprocess.run([sys.executable, "-c", FRESH, how, str(fixture_path("qwen3"))],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+# -- batched logits processors --
+
+
+def _mixed_batch(model, tok):
+    """A batch of constrained rows (one behind a repetition penalty), an
+    unconstrained row and a row with only an ordinary processor, greedy:
+    (outputs, how often each ConstraintProcessor entry point ran)."""
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    from mlx_lm_plus.constraints import ConstraintProcessor, compile_response_format
+    from tests.test_constraints import run_batch
+
+    schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               {"type": "array", "items": {"type": "string"}, "minItems": 3},
+               {"type": "object"}]
+    procs = [ConstraintProcessor(compile_response_format(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": s}}), tok)
+        for s in schemas]
+    calls = {"row": 0, "batch": 0}
+    row_call, batch_call = ConstraintProcessor.__call__, ConstraintProcessor.process_batch
+
+    def counting_row(self, tokens, logits):
+        calls["row"] += 1
+        return row_call(self, tokens, logits)
+
+    def counting_batch(logits, rows):
+        calls["batch"] += 1
+        return batch_call(logits, rows)
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"json {i} " * (i + 1)}],
+                                       add_generation_prompt=True) for i in range(5)]
+    penalty = make_repetition_penalty(1.3, 20)
+    rows = [[procs[0]], [penalty, procs[1]], [procs[2]], [], [penalty]]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ConstraintProcessor, "__call__", counting_row)
+    mp.setattr(ConstraintProcessor, "process_batch", staticmethod(counting_batch))
+    try:
+        gen = BatchGenerator(model, stop_tokens=[[i] for i in tok.eos_token_ids],
+                             completion_batch_size=8, prefill_batch_size=8)
+        uids = gen.insert(prompts, max_tokens=[30] * 5, logits_processors=rows)
+        out = {u: [] for u in uids}
+        done = set()
+        steps = 0
+        while len(done) < len(uids):
+            responses = gen.next_generated()
+            steps += bool(responses)
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason:
+                    done.add(r.uid)
+        gen.close()
+    finally:
+        mp.undo()
+    return [out[u] for u in uids], calls, steps
+
+
+def test_batched_processors_one_call_per_step(fixture_path, restored):
+    """With the patch, the constrained rows of a step are masked in one call
+    (never row by row), and every row's tokens are what upstream's per-row
+    loop gives: constrained, penalised, free and mixed rows alike."""
+    model, tok = load(str(fixture_path("qwen3")))
+    patch = patches.batched_logits_processors
+    patch.revert()
+    upstream, upstream_calls, _ = _mixed_batch(model, tok)
+    assert upstream_calls["batch"] == 0 and upstream_calls["row"] > 0
+    assert patch.apply()
+    ours, calls, steps = _mixed_batch(model, tok)
+    assert ours == upstream
+    assert calls["row"] == 0
+    assert 0 < calls["batch"] <= steps + 1
+    assert json.loads(tok.decode(ours[0][:-1]))["a"] is not None  # constrained: JSON

@@ -252,6 +252,66 @@ def test_chat_forced_tool_calls(server):
         validate(fn["arguments"], PARAMS[fn["name"]])
 
 
+def _strict(tools, strict=True):
+    return [{**t, "function": {**t["function"], "strict": strict}} for t in tools]
+
+
+def test_chat_strict_tools_when_the_model_chooses_to_call(server, fixture_path):
+    """tool_choice auto with strict tools: the model writes freely and calls
+    when it chooses (a logit_bias on <tool_call> makes the random model call
+    at once and again after each call); every call it makes is valid for its
+    tool's schema. Without strict the same calls are the random model's own
+    garbage; with strict but no bias (and no call), the text is what
+    tool_choice "none" (the same prompt, unconstrained) gives."""
+    from mlx_lm.utils import load_tokenizer
+
+    open_id = load_tokenizer(fixture_path("qwen3")).convert_tokens_to_ids("<tool_call>")
+    bias = {str(open_id): 30}
+    bodies = [chat_body(f"Call something ({i}).", 200, tools=_strict(TOOLS), logit_bias=bias,
+                        stream=stream) for i, stream in enumerate([False, True])]
+    bodies.append(chat_body("Call something (0).", 200, tools=_strict(TOOLS, False),
+                            logit_bias=bias))
+    bodies.append(chat_body("Just talk.", 60, tools=_strict(TOOLS)))
+    bodies.append(chat_body("Just talk.", 60, tools=_strict(TOOLS), tool_choice="none"))
+    # response_format text is no format: the calls are still held.
+    bodies.append(chat_body("Call something (2).", 200, tools=_strict(TOOLS), logit_bias=bias,
+                            response_format={"type": "text"}))
+    answers = post_all(server, [("/v1/chat/completions", b) for b in bodies])
+    for status, r in answers:
+        assert status == 200, r
+    for status, r in answers[:2] + answers[5:]:
+        calls = r["choices"][0]["message"].get("tool_calls")
+        assert calls, r
+        for call in calls:
+            fn = call["function"]
+            validate(fn["arguments"], PARAMS[fn["name"]])
+    loose = answers[2][1]["choices"][0]["message"]
+    assert loose.get("tool_calls") is None or not all(
+        _valid_call(c["function"]) for c in loose["tool_calls"]), loose
+    assert answers[3][1]["choices"][0]["message"] == answers[4][1]["choices"][0]["message"]
+
+
+def test_chat_strict_tools_the_model_cant_hold_are_served(server):
+    """Strict tools are best effort: a tool list the grammar can't take (a
+    name with a dot) is served unconstrained, where forcing it is a 400."""
+    odd = [{"type": "function", "function": {"name": "ns.tool", "parameters": ADD,
+                                             "strict": True}}]
+    status, r = server.post("/v1/chat/completions", chat_body("Call it.", 20, tools=odd))
+    assert status == 200, r
+    status, r = server.post("/v1/chat/completions", chat_body(
+        "Call it.", 20, tools=odd, tool_choice="required"))
+    assert status == 400 and "function name" in json.dumps(r), r
+    assert_serves(server)
+
+
+def _valid_call(fn):
+    try:
+        validate(fn["arguments"], PARAMS[fn["name"]])
+        return True
+    except (ValueError, KeyError, jsonschema.ValidationError):
+        return False
+
+
 def test_anthropic_forced_tool_use_round_trip(claude):
     question = user("What is the weather in Paris?")
     message = claude.messages.create(

@@ -1,0 +1,849 @@
+"""DiskTier: the prompt cache's second tier, on disk, kept across restarts.
+
+Entries leaving memory (PromptStore evictions) are handed to `put`, which
+returns at once: a writer thread owned by the tier writes them. `find`
+answers from an in-memory radix tree of the stored keys (read from the
+SQLite index at startup, so conversations resume after a restart) and `load`
+reads a hit back into cache objects on the calling thread.
+
+Layout: `<directory>/<identity>/` holds one safetensors file per entry
+(`<blake2b of the key>.safetensors`), `index.sqlite` (one row per file: the
+key as an int64 BLOB, sizes, kind, trimmable flag, last use) and `lock`.
+`identity` comes from `model_identity` (config, weights' and adapters' file
+metadata, format version, caller's extras), so another model or quantization
+never reads these entries: it has its own folder.
+
+A file holds the key's token ids (tensor "tokens", int64: image ids are
+negative) and every state array of every layer ("a0", "a1", ...); its
+metadata holds each layer's class (module:name), its `state`'s structure
+(the arrays' places, the scalars) and its other attributes, the ones
+without arrays (what `state` leaves out: MRopeKVCache.rope_delta,
+cache.StoredKV's layer class and dtype), as JSON; the entry's kind; and an
+xxh3 checksum of all tensor bytes. A layer is rebuilt as mlx_lm's
+load_prompt_cache does (`cls.from_state(state)`), then its attributes are
+set; a layer that would not come back whole (a class not importable from
+mlx_lm/mlx_lm_plus/mlx_vlm, an attribute of another kind) is not written.
+Safetensors as mx.save_safetensors writes it, read with mx.load; written
+here rather than by save_prompt_cache, whose loader only knows mlx_lm's own
+classes and keeps nothing outside `state`.
+
+Crash safety: a file is written to `*.tmp`, fsynced, renamed, and only then
+gets its row; at startup stray `*.tmp` files, rows without a file (or with a
+file of another size) and files without a row are deleted. A file that fails
+to load (torn, truncated, checksum or key mismatch) is a miss: it is deleted
+and counted, never raised. A write error (ENOSPC or any other) drops that
+write, counts it, logs one warning and pauses writing for `pause_s`; reads
+go on. Another process using the same folder: the second one gets no disk
+tier (a lock file), rather than deleting the first one's files.
+
+Threads: `put`, `find`, `load` run on the generation thread, the writer on
+its own; `clear` (DELETE /v1/cache) on an HTTP handler's, and only unlinks
+files and edits the in-memory index under the lock. MLX streams are per thread (mlx 0.32: "There is no Stream(cpu, 0) in
+current thread" for any array the writer would have to compute, such as a
+slice), so the writer never touches MLX: `put` makes the arrays contiguous
+and evaluated on the caller's thread and hands the writer zero-copy numpy
+views (bfloat16 viewed as uint16); the writer only hashes and writes bytes.
+The in-memory index is shared under a lock; SQLite is used by one thread at a
+time (startup, then the writer, then `close`); `last_used` updates and row
+deletions from `load` are handed to the writer in batches.
+"""
+
+import errno
+import fcntl
+import hashlib
+import importlib
+import json
+import logging
+import os
+import queue
+import re
+import sqlite3
+import struct
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx_lm.models.cache import QuantizedKVCache, can_trim_prompt_cache
+
+from .cache import _TOKENS, _matching, compact, descend
+
+# Part of every identity: a change of the file format starts a new folder.
+FORMAT = "mlx_lm_plus.disk_cache/1"
+_SUFFIX = ".safetensors"
+_INDEX = "index.sqlite"
+
+# Files whose metadata make up a model's identity (weights, adapters,
+# configs, tokenizers); configs are hashed by content as well.
+_IDENTITY_SUFFIXES = (".safetensors", ".json", ".gguf", ".npz", ".bin",
+                      ".model", ".tiktoken")
+_CONTENT_FILES = ("config.json", "adapter_config.json")
+
+# mx dtype -> safetensors dtype, numpy view for the bytes (bfloat16 has no
+# numpy type: its bytes go as uint16).
+_DTYPES = {
+    mx.bool_: ("BOOL", None), mx.uint8: ("U8", None), mx.uint16: ("U16", None),
+    mx.uint32: ("U32", None), mx.uint64: ("U64", None), mx.int8: ("I8", None),
+    mx.int16: ("I16", None), mx.int32: ("I32", None), mx.int64: ("I64", None),
+    mx.float16: ("F16", None), mx.float32: ("F32", None),
+    mx.bfloat16: ("BF16", mx.uint16),
+}
+if hasattr(mx, "float64"):
+    _DTYPES[mx.float64] = ("F64", None)
+# Only cache classes from these packages are rebuilt from a file.
+_CLASS_PACKAGES = ("mlx_lm.", "mlx_lm_plus.", "mlx_vlm.")
+
+
+def _file_facts(path: str) -> str:
+    st = os.stat(path)  # follows symlinks (the HF cache's blobs)
+    return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _hash_path(h, path: str, role: str):
+    h.update(f"\0{role}\0".encode())
+    if os.path.isfile(path):  # a GGUF file, say
+        h.update(_file_facts(path).encode())
+        return
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not name.endswith(_IDENTITY_SUFFIXES) or not os.path.isfile(full):
+            continue
+        h.update(_file_facts(full).encode() + b"\n")
+        if name in _CONTENT_FILES:
+            with open(full, "rb") as f:
+                h.update(f.read())
+
+
+def _local_path(path: str) -> Optional[str]:
+    """A model's folder: the path itself, or a Hugging Face repo id's local
+    snapshot (never downloaded here)."""
+    if os.path.exists(path):
+        return path
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return str(hf_repo_to_path(path))
+    except Exception:
+        return None
+
+
+def model_identity(model_path: str, adapter_path: Optional[str] = None,
+                   extra: str = "") -> str:
+    """A hex digest naming what a cached KV state depends on.
+
+    config.json and adapter_config.json by content; every weight, adapter,
+    config or tokenizer file of the model's and the adapter's folders (or the
+    model file itself, a GGUF) by name, size and mtime_ns, so re-converting
+    or re-quantizing a model in place changes it; the file format version;
+    and `extra`, for what the caller configures beside the files (KV cache
+    quantization, dtype). Where a path has no local files (a repo id not
+    downloaded yet), its name stands in: call this after the model loaded.
+    """
+    h = hashlib.sha256(f"{FORMAT}\0{extra}".encode())
+    for role, path in (("model", model_path), ("adapter", adapter_path)):
+        if path is None:
+            continue
+        local = _local_path(str(path))
+        if local is None:
+            h.update(f"\0{role}\0name:{path}".encode())
+        else:
+            _hash_path(h, local, role)
+    return h.hexdigest()[:32]
+
+
+# -- the file format --
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _resolve_class(name: str) -> type:
+    """A class named in a file: only from mlx_lm, mlx_lm_plus or mlx_vlm."""
+    module, _, qualname = name.partition(":")
+    if not module.startswith(_CLASS_PACKAGES) or not qualname:
+        raise ValueError(f"not a known class: {name}")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ValueError(f"not a class: {name}")
+    return obj
+
+
+def _encode(value, arrays: List[mx.array]):
+    """A layer's state or attribute as JSON. Arrays go to `arrays` and are
+    named by their place; tuples, dicts, classes and dtypes are tagged
+    (QuantizedKVCache's buffers are tuples; mlx_lm_plus.cache.StoredKV
+    keeps its layer's class, dtype and attributes)."""
+    if isinstance(value, mx.array):
+        arrays.append(value)
+        return {"a": len(arrays) - 1}
+    if isinstance(value, tuple):
+        return {"t": [_encode(v, arrays) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, arrays) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"d": {k: _encode(v, arrays) for k, v in value.items()}}
+    if isinstance(value, mx.Dtype):
+        return {"dtype": str(value).rsplit(".", 1)[-1]}
+    if isinstance(value, type):
+        if _resolve_class(_type_name(value)) is not value:
+            raise ValueError(f"{_type_name(value)} can't be found by name")
+        return {"class": _type_name(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"not serializable: {type(value).__name__}")
+
+
+def _decode(value, arrays: Dict[str, mx.array]):
+    if isinstance(value, list):
+        return [_decode(v, arrays) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "a" in value:
+        return arrays[f"a{value['a']}"]
+    if "t" in value:
+        return tuple(_decode(v, arrays) for v in value["t"])
+    if "d" in value:
+        return {k: _decode(v, arrays) for k, v in value["d"].items()}
+    if "dtype" in value:
+        dtype = getattr(mx, value["dtype"])
+        if not isinstance(dtype, mx.Dtype):
+            raise ValueError(f"not a dtype: {value['dtype']}")
+        return dtype
+    return _resolve_class(value["class"])
+
+
+def _describe(c, arrays: List[mx.array]) -> Dict[str, Any]:
+    """A layer as its file keeps it: class, `state` (rebuilt by from_state,
+    as mlx_lm's load_prompt_cache does) and the attributes beside it, such as
+    MRopeKVCache.rope_delta: every instance attribute without arrays in it
+    (the ones with arrays are the state's). Raises ValueError for a layer
+    that would not come back whole."""
+    cls = type(c)
+    if _resolve_class(_type_name(cls)) is not cls or not hasattr(cls, "from_state"):
+        raise ValueError(f"{_type_name(cls)} can't be rebuilt by name")
+    attrs = {}
+    for k, v in vars(c).items():
+        held: List[mx.array] = []
+        try:
+            encoded = _encode(v, held)
+        except ValueError:
+            continue  # cache objects (CacheList's): the state's too
+        if not held:
+            attrs[k] = encoded
+    state = c.state
+    probe = cls.from_state(state)  # the arrays shared, nothing copied
+    missing = set(vars(c)) - set(vars(probe)) - set(attrs)
+    if missing:
+        raise ValueError(f"{_type_name(cls)}: {sorted(missing)} would be lost")
+    return {"class": _type_name(cls), "state": _encode(state, arrays), "attrs": attrs}
+
+
+def _rebuild_layer(layer: Dict[str, Any], arrays: Dict[str, mx.array]):
+    c = _resolve_class(layer["class"]).from_state(_decode(layer["state"], arrays))
+    for k, v in layer["attrs"].items():
+        setattr(c, k, _decode(v, arrays))
+    return c
+
+
+def _host_views(arrays: List[mx.array]) -> List[Tuple[str, np.ndarray]]:
+    """(safetensors dtype, zero-copy numpy view) of each array, made on the
+    caller's thread: contiguous and evaluated, so the writer reads memory and
+    never has MLX compute anything (mx.contiguous of a contiguous array
+    shares its buffer)."""
+    views = []
+    for a in arrays:
+        if a.dtype not in _DTYPES:
+            raise ValueError(f"dtype {a.dtype} is not supported")
+        name, as_type = _DTYPES[a.dtype]
+        a = mx.contiguous(a)
+        views.append((name, a.view(as_type) if as_type is not None else a))
+    mx.eval([v for _, v in views])
+    return [(name, np.asarray(v)) for name, v in views]
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _checksum(views: Sequence[np.ndarray]) -> str:
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(_bytes_of(v))
+    return h.hexdigest()
+
+
+def _write_safetensors(path: str, tensors: Dict[str, Tuple[str, np.ndarray]],
+                       metadata: Dict[str, str]) -> None:
+    """Write a safetensors file (what mx.save_safetensors writes, from numpy
+    views, so that no MLX runs on the writer thread) and fsync it."""
+    header: Dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, (dtype, a) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(path, "xb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for _, a in tensors.values():
+            f.write(_bytes_of(a))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _compact(cache: List[Any]) -> List[Any]:
+    """Only the tokens held go to disk: cache.compact for KV caches, and
+    QuantizedKVCache's buffers (also allocated in steps of 256) cut alike."""
+    for c in cache:
+        if (isinstance(c, QuantizedKVCache) and c.keys is not None
+                and c.keys[0].shape[2] > c.offset):
+            c.keys, c.values = (tuple(mx.contiguous(x[..., : c.offset, :]) for x in kv)
+                                for kv in (c.keys, c.values))
+    return compact(cache)
+
+
+def _key_name(tokens: array) -> str:
+    return hashlib.blake2b(tokens.tobytes(), digest_size=20).hexdigest()
+
+
+# -- the in-memory index --
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    """A stored entry; `find` hands it out as the handle for `load`."""
+    name: str
+    ntokens: int
+    nbytes: int  # the file's size
+    trimmable: bool
+    kind: str
+    last_used: float
+    node: Any = field(default=None, repr=False)
+
+
+class _Node:
+    __slots__ = ("parent", "edge", "depth", "children", "entry")
+
+    def __init__(self, parent, edge: array, depth: int):
+        self.parent = parent
+        self.edge = edge  # tokens from the parent to here
+        self.depth = depth
+        self.children: Dict[int, "_Node"] = {}  # by the edge's first token
+        self.entry: Optional[DiskEntry] = None
+
+
+@dataclass
+class _Write:
+    name: str
+    tokens: array
+    tensors: Dict[str, Tuple[str, np.ndarray]]
+    metadata: Dict[str, str]
+    nbytes: int  # the arrays' bytes (queue accounting)
+    trimmable: bool
+    kind: str
+
+
+_STOP = object()
+
+
+class DiskTier:
+    """Prompt caches on disk for one model identity (see the module doc)."""
+
+    # Writing stops for this long after a write error (a full disk).
+    pause_s = 60.0
+    # Writes that would leave less free space than this are not tried.
+    min_free_bytes = 64 << 20
+
+    def __init__(self, directory: str, max_bytes: int, identity: str,
+                 max_queue_bytes: Optional[int] = None):
+        if not re.fullmatch(r"[0-9A-Za-z_-]+", identity):
+            raise ValueError(f"bad identity {identity!r}")
+        self.identity = identity
+        self.path = os.path.join(directory, identity)
+        self.max_bytes = max_bytes
+        # Evicted caches wait in memory for the writer: bounded. One entry
+        # is always taken when nothing waits (a long context may be larger).
+        self.max_queue_bytes = (max_queue_bytes if max_queue_bytes is not None
+                                else min(max_bytes // 4, 1 << 30))
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._root = _Node(None, array(_TOKENS), 0)
+        self._entries: Dict[str, DiskEntry] = {}
+        self._bytes = 0
+        self._tokens = 0
+        self._trimmable = 0
+        self._pending: set = set()  # names queued or being written
+        self._queued_bytes = 0
+        self._jobs = 0  # queued or being written (for flush)
+        self._idle = threading.Condition(self._lock)
+        self._touched: Dict[str, float] = {}  # name -> last_used, for SQLite
+        self._deleted: set = set()  # rows to delete (load found them bad)
+        self._full_until = 0.0
+        self._stopping = False
+        self._warned: set = set()
+        self.stats = dict.fromkeys(
+            ("hits", "misses", "writes", "write_errors", "dropped_writes",
+             "corrupt", "evictions", "unsupported"), 0)
+        self._queue: "queue.Queue" = queue.Queue()
+        self._db = None
+        self._lockfile = None
+        self._writer: Optional[threading.Thread] = None
+        if max_bytes <= 0:
+            return
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._lockfile = open(os.path.join(self.path, "lock"), "a+")
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            logging.warning(f"Prompt cache on disk disabled: {self.path}: {e}"
+                            + (" (in use by another process)"
+                               if e.errno in (errno.EAGAIN, errno.EACCES) else ""))
+            if self._lockfile is not None:
+                self._lockfile.close()
+                self._lockfile = None
+            return
+        try:
+            self._open_index()
+        except (OSError, sqlite3.Error) as e:
+            logging.warning(f"Prompt cache on disk disabled: {self.path}: {e}")
+            self._release()
+            return
+        self.enabled = True
+        self._writer = threading.Thread(target=self._run, name="disk-cache-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- startup --
+
+    def _connect(self):
+        # Used by one thread at a time: startup, the writer, close.
+        db = sqlite3.connect(os.path.join(self.path, _INDEX), check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE IF NOT EXISTS entries (name TEXT PRIMARY KEY, "
+                   "key BLOB NOT NULL, ntokens INTEGER NOT NULL, nbytes INTEGER NOT NULL, "
+                   "trimmable INTEGER NOT NULL, kind TEXT NOT NULL, "
+                   "created REAL NOT NULL, last_used REAL NOT NULL)")
+        rows = db.execute("SELECT name, key, ntokens, nbytes, trimmable, kind, "
+                          "last_used FROM entries").fetchall()
+        return db, rows
+
+    def _open_index(self):
+        try:
+            self._db, rows = self._connect()
+        except sqlite3.DatabaseError as e:
+            # A damaged index: start over (its files go below, rowless).
+            logging.warning(f"Prompt cache on disk: index unreadable ({e}), starting empty")
+            for suffix in ("", "-wal", "-shm"):
+                try:
+                    os.remove(os.path.join(self.path, _INDEX + suffix))
+                except FileNotFoundError:
+                    pass
+            self._db, rows = self._connect()
+        files = {}
+        for name in os.listdir(self.path):
+            full = os.path.join(self.path, name)
+            if name.endswith(".tmp"):  # a write cut short (killed, crashed)
+                _unlink(full)
+            elif name.endswith(_SUFFIX):
+                files[name[: -len(_SUFFIX)]] = os.path.getsize(full)
+        stale = []
+        for name, key, ntokens, nbytes, trimmable, kind, last_used in rows:
+            tokens = array(_TOKENS)
+            tokens.frombytes(key)
+            if (files.pop(name, None) != nbytes or len(tokens) != ntokens
+                    or ntokens == 0 or name in self._entries):
+                stale.append(name)  # no file, or not the one written
+                _unlink(self._file(name))
+                continue
+            self._add(DiskEntry(name, ntokens, nbytes, bool(trimmable), kind,
+                                last_used), tokens)
+        for name in files:  # written, but its row never committed
+            _unlink(self._file(name))
+        if stale:
+            with self._db:
+                self._db.executemany("DELETE FROM entries WHERE name = ?",
+                                     [(n,) for n in stale])
+        self._evict()
+        if self._entries:
+            logging.info(f"Prompt cache on disk: {len(self._entries)} entries, "
+                         f"{self._bytes / 1e6:.1f} MB in {self.path}")
+
+    # -- the index (callers hold self._lock, or own the tier alone) --
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name + _SUFFIX)
+
+    def _add(self, entry: DiskEntry, tokens: array):
+        node, pos = self._root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                child = node.children[tokens[pos]] = _Node(node, tokens[pos:], len(tokens))
+                node, pos = child, len(tokens)
+                break
+            m = _matching(child.edge, tokens, pos)
+            if m < len(child.edge):  # split the edge after m tokens
+                upper = _Node(node, child.edge[:m], node.depth + m)
+                child.edge, child.parent = child.edge[m:], upper
+                upper.children[child.edge[0]] = child
+                node.children[upper.edge[0]] = upper
+                child = upper
+            node, pos = child, pos + m
+        if node.entry is not None:
+            self._remove(node.entry, prune=False)
+        entry.node, node.entry = node, entry
+        self._entries[entry.name] = entry
+        self._bytes += entry.nbytes
+        self._tokens += entry.ntokens
+        self._trimmable += entry.trimmable
+
+    def _remove(self, entry: DiskEntry, prune: bool = True):
+        node, entry.node = entry.node, None
+        node.entry = None
+        del self._entries[entry.name]
+        self._bytes -= entry.nbytes
+        self._tokens -= entry.ntokens
+        self._trimmable -= entry.trimmable
+        if not prune:
+            return
+        while node.parent is not None and node.entry is None and not node.children:
+            del node.parent.children[node.edge[0]]
+            node.parent, node = None, node.parent
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()  # fold into its only child
+            child.edge = node.edge + child.edge
+            child.parent = node.parent
+            node.parent.children[node.edge[0]] = child
+
+    def _descend(self, key: array):
+        """cache.descend from the index's root."""
+        return descend(self._root, key)
+
+    @staticmethod
+    def _nearest_trimmable(node: _Node) -> Optional[_Node]:
+        """The shallowest trimmable entry in `node`'s subtree."""
+        best, stack = None, [node]
+        while stack:
+            n = stack.pop()
+            if best is not None and n.depth >= best.depth:
+                continue
+            if n.entry is not None and n.entry.trimmable:
+                best = n
+                continue
+            stack.extend(n.children.values())
+        return best
+
+    # -- the generation thread's side --
+
+    def find(self, key: Sequence[int], trimmable_ok: bool = True
+             ) -> Optional[Tuple[int, DiskEntry]]:
+        """The best entry for `key`: (tokens of `key` it covers, handle).
+
+        The longest stored prefix of `key` shorter than it (one token at
+        least is left to compute); or, with `trimmable_ok` and when it covers
+        more, a trimmable entry sharing a longer common prefix with `key`
+        (an exact one, a longer one, a sibling), usable up to
+        min(common, len(key) - 1). `load` returns the entry's whole cache:
+        the caller trims `handle.ntokens - covered` tokens off.
+        """
+        if not self.enabled or not key:
+            return None
+        tokens = array(_TOKENS, key)
+        with self._lock:
+            node, common, on_path, partial = self._descend(tokens)
+            usable = [n for n in on_path if n.depth < len(tokens)]
+            best = usable[-1] if usable else None
+            target = min(common, len(tokens) - 1)
+            if trimmable_ok and self._trimmable and target > (best.depth if best else 0):
+                donor = self._nearest_trimmable(partial or node)
+                if donor is not None:
+                    return target, donor.entry
+            if best is not None:
+                return best.depth, best.entry
+            self.stats["misses"] += 1
+            return None
+
+    def key_of(self, handle: DiskEntry) -> Optional[List[int]]:
+        """The token ids of a stored entry (its node's path), or None once it
+        has left the tier."""
+        with self._lock:
+            node, edges = handle.node, []
+            if node is None or self._entries.get(handle.name) is not handle:
+                return None
+            while node is not None:
+                edges.append(node.edge)
+                node = node.parent
+        return [t for edge in reversed(edges) for t in edge]
+
+    def load(self, handle: DiskEntry) -> Optional[List[Any]]:
+        """The entry's whole cache, read back (same classes), or None: a file
+        that is gone, torn or corrupt is deleted, counted, and a miss."""
+        path = self._file(handle.name)
+        try:
+            arrays, meta = mx.load(path, return_metadata=True)
+            cache = self._rebuild(handle, arrays, meta)
+        except Exception as e:
+            with self._lock:
+                self.stats["misses"] += 1
+                if self._entries.get(handle.name) is not handle:
+                    return None  # evicted (or replaced) since `find`
+                # Under the lock: a new write of this key can't be queued
+                # before the bad file is gone.
+                _unlink(path)
+                self._remove(handle)
+                self._deleted.add(handle.name)
+                self.stats["corrupt"] += 1
+            logging.warning(f"Prompt cache on disk: dropped unreadable {path}: {e}")
+            return None
+        with self._lock:
+            self.stats["hits"] += 1
+            current = self._entries.get(handle.name)  # rewritten since: the same key
+            if current is not None:
+                current.last_used = self._touched[handle.name] = time.time()
+        return cache
+
+    def _rebuild(self, handle: DiskEntry, arrays: Dict[str, mx.array],
+                 meta: Dict[str, str]) -> List[Any]:
+        if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
+            raise ValueError("not this tier's file")
+        names = sorted((k for k in arrays if k != "tokens"), key=lambda k: int(k[1:]))
+        ordered = [arrays[k] for k in names] + [arrays["tokens"]]
+        # Reads it all now (a short file fails here, not in generation).
+        if _checksum([v for _, v in _host_views(ordered)]) != meta["xxh3"]:
+            raise ValueError("checksum mismatch")
+        tokens = array(_TOKENS, np.asarray(arrays["tokens"]).tobytes())
+        if _key_name(tokens) != handle.name:
+            raise ValueError("key mismatch")
+        return [_rebuild_layer(layer, arrays) for layer in json.loads(meta["layers"])]
+
+    def put(self, key: Sequence[int], cache: List[Any], kind: str = "prompt") -> None:
+        """Queue `cache` (covering exactly `key`) for writing; returns at
+        once. The tier takes ownership of the cache. A key already on disk is
+        only touched; writes are dropped (and counted) while the queue is
+        full or writing is paused after an error."""
+        if not self.enabled or not key or self._writer is None:
+            return
+        tokens = array(_TOKENS, key)
+        name = _key_name(tokens)
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None:
+                entry.last_used = self._touched[name] = time.time()
+                return
+            if name in self._pending:
+                return
+            if time.monotonic() < self._full_until:
+                self.stats["dropped_writes"] += 1
+                return
+        try:
+            arrays: List[mx.array] = []
+            layers = [_describe(c, arrays) for c in _compact(cache)]
+            views = _host_views(arrays) + [("I64", np.frombuffer(tokens, np.int64))]
+            trimmable = can_trim_prompt_cache(cache)
+        except Exception as e:
+            with self._lock:
+                self.stats["unsupported"] += 1
+            self._warn_once("unsupported", f"Prompt cache on disk: not storing "
+                            f"this model's caches: {e}")
+            return
+        tensors = {f"a{i}": v for i, v in enumerate(views[:-1])}
+        tensors["tokens"] = views[-1]
+        metadata = {"format": FORMAT, "identity": self.identity, "kind": kind,
+                    "layers": json.dumps(layers, separators=(",", ":"))}
+        nbytes = sum(v.nbytes for _, v in views)
+        job = _Write(name, tokens, tensors, metadata, nbytes, trimmable, kind)
+        with self._lock:
+            if name in self._pending or name in self._entries:
+                return
+            if nbytes > self.max_bytes or (
+                    self._jobs and self._queued_bytes + nbytes > self.max_queue_bytes):
+                self.stats["dropped_writes"] += 1
+                return
+            self._pending.add(name)
+            self._queued_bytes += nbytes
+            self._jobs += 1
+        self._queue.put(job)
+
+    def clear(self) -> int:
+        """Drop every entry (DELETE /v1/cache): the files now, their rows
+        when the writer next syncs the index (at startup otherwise: rows
+        without a file go). A write already queued still lands. Returns the
+        entries dropped."""
+        with self._lock:
+            entries = list(self._entries.values())
+            for entry in entries:
+                _unlink(self._file(entry.name))
+                self._remove(entry)
+                self._touched.pop(entry.name, None)
+                self._deleted.add(entry.name)
+        return len(entries)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the queued writes are done; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._jobs == 0, timeout)
+
+    def close(self, timeout: Optional[float] = 30.0):
+        """Finish the queued writes (up to `timeout`), stop the writer, save
+        the last uses, close the index and release the folder."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self.flush(timeout)
+            self._stopping = True  # what is still queued is dropped
+            self._queue.put(_STOP)
+            writer.join(timeout)
+            if writer.is_alive():  # stuck in a write: leave it the index
+                logging.warning("Prompt cache on disk: writer still busy at close")
+                self.enabled = False
+                return
+        if self._db is not None:
+            try:
+                self._sync_index()
+            except sqlite3.Error:
+                pass
+        self._release()
+        self.enabled = False
+
+    def _release(self):
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        if self._lockfile is not None:
+            self._lockfile.close()  # releases the flock
+            self._lockfile = None
+
+    def snapshot(self) -> Dict[str, Any]:
+        with self._lock:
+            return {
+                "enabled": self.enabled,
+                "directory": self.path,
+                "entries": len(self._entries),
+                "bytes": self._bytes,
+                "tokens": self._tokens,
+                "max_bytes": self.max_bytes,
+                "queued_bytes": self._queued_bytes,
+                **self.stats,
+                "full": time.monotonic() < self._full_until,
+            }
+
+    # -- the writer thread --
+
+    def _run(self):
+        while True:
+            try:
+                job = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                return
+            try:
+                if job is not None:
+                    self._write(job)
+                self._sync_index()
+            except Exception as e:  # nothing may end the writer
+                self._warn_once("writer", f"Prompt cache on disk: writer error: {e!r}")
+            finally:
+                if job is not None:
+                    with self._idle:
+                        self._pending.discard(job.name)
+                        self._queued_bytes -= job.nbytes
+                        self._jobs -= 1
+                        self._idle.notify_all()
+
+    def _write(self, job: _Write):
+        if self._stopping or time.monotonic() < self._full_until:
+            with self._lock:
+                self.stats["dropped_writes"] += 1
+            return
+        path = self._file(job.name)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            free = os.statvfs(self.path)
+            if free.f_bavail * free.f_frsize < job.nbytes + self.min_free_bytes:
+                raise OSError(errno.ENOSPC, "too little free space left")
+            job.metadata["xxh3"] = _checksum([v for _, v in job.tensors.values()])
+            _write_safetensors(tmp, job.tensors, job.metadata)
+            os.replace(tmp, path)
+            size = os.path.getsize(path)
+            now = time.time()
+            with self._lock:
+                self._deleted.discard(job.name)
+            with self._db:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job.name, job.tokens.tobytes(), len(job.tokens), size,
+                     int(job.trimmable), job.kind, now, now))
+        except Exception as e:  # ENOSPC, EIO, a full or broken index...
+            _unlink(tmp)
+            _unlink(path)
+            with self._lock:
+                self.stats["write_errors"] += 1
+                paused = time.monotonic() >= self._full_until
+                self._full_until = time.monotonic() + self.pause_s
+            if paused:
+                logging.warning(f"Prompt cache on disk: write failed ({e}); not "
+                                f"writing for {self.pause_s:.0f} s, reads go on")
+            return
+        job.tensors = {}  # the arrays may go now
+        with self._lock:
+            self._add(DiskEntry(job.name, len(job.tokens), size, job.trimmable,
+                                job.kind, now), job.tokens)
+            self.stats["writes"] += 1
+        self._evict()
+
+    def _evict(self):
+        """Least recently used entries go until the files fit max_bytes."""
+        with self._lock:
+            over = self._bytes - self.max_bytes
+            if over <= 0:
+                return
+            victims = []
+            for entry in sorted(self._entries.values(), key=lambda e: e.last_used):
+                if over <= 0:
+                    break
+                over -= entry.nbytes
+                victims.append(entry.name)
+                _unlink(self._file(entry.name))
+                self._remove(entry)
+                self._touched.pop(entry.name, None)
+            self.stats["evictions"] += len(victims)
+        with self._db:
+            self._db.executemany("DELETE FROM entries WHERE name = ?",
+                                 [(n,) for n in victims])
+
+    def _sync_index(self):
+        """Write the batched last-use updates and row deletions to SQLite."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            deleted, self._deleted = self._deleted, set()
+        if not touched and not deleted:
+            return
+        with self._db:  # one transaction
+            self._db.executemany("UPDATE entries SET last_used = ? WHERE name = ?",
+                                 [(t, n) for n, t in touched.items()])
+            self._db.executemany("DELETE FROM entries WHERE name = ?",
+                                 [(n,) for n in deleted])
+
+    def _warn_once(self, what: str, message: str):
+        if what not in self._warned:
+            self._warned.add(what)
+            logging.warning(message)
+
+
+def _unlink(path: str):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning(f"Prompt cache on disk: can't remove {path}: {e}")
