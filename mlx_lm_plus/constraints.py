@@ -415,8 +415,8 @@ class ConstraintProcessor:
     def process_batch(logits: mx.array, rows) -> mx.array:
         """All constrained rows of a batch step at once. `rows`: (row index,
         processor, the row's tokens in the KV cache as a list, the token
-        fed at this step); `logits` (batch, vocab). Other rows pass unchanged."""
-        mx.async_eval(logits)  # (queued already by the batched step)
+        fed at this step); `logits` (batch, vocab), its forward pass already
+        queued by the caller. Other rows pass unchanged."""
         tic = time.perf_counter()
         needs = []
         for e, p, history, newest in rows:
@@ -559,7 +559,7 @@ def _apply(logits: mx.array, needs, tic: float) -> mx.array:
     # EOS only, at logit 0: whatever the model (or a logit_bias) gave the
     # EOS ids, the row samples one of them, never from an all -inf row. (A
     # row whose EOS ids all lie past the logits can't stop: max_tokens ends it.)
-    at_eos = np.zeros((batch, vocab), dtype=bool)
+    at_eos = np.zeros((batch, vocab), dtype=bool) if eos else None
     for e, p in eos:
         at_eos[e, [t for t in p.eos_ids if t < vocab]] = True
         if at_eos[e].any():

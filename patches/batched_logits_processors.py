@@ -32,24 +32,23 @@ from ._guard import Patch
 def _process(batch, inputs: mx.array, logits: mx.array) -> Tuple[mx.array, List[mx.array]]:
     """Upstream's per-row loop, with batched processors taken out of it."""
     token_context = []
-    grouped = {}  # processor type -> rows
-    rows_out = []
-    per_row = False
-    for e in range(len(batch.uids)):
-        processors = batch.logits_processors[e] or ()
+    grouped = {}  # processor type -> [(row, processor)]
+    per_row = []  # [(row, the processors it runs alone)]
+    for e, processors in enumerate(batch.logits_processors):
+        processors = processors or ()
         if processors and hasattr(processors[-1], "process_batch"):
             grouped.setdefault(type(processors[-1]), []).append((e, processors[-1]))
             processors = processors[:-1]
-        sample_logits = logits[e : e + 1]
         if processors:
-            per_row = True
+            per_row.append((e, processors))
+    if per_row:  # sliced and joined only when some row needs it
+        rows = [logits[e : e + 1] for e in range(len(batch.uids))]
+        for e, processors in per_row:
             context = batch._token_context[e].update_and_fetch(inputs[e : e + 1])
             token_context.append(context)
             for processor in processors:
-                sample_logits = processor(context, sample_logits)
-        rows_out.append(sample_logits)
-    if per_row:
-        logits = mx.concatenate(rows_out, axis=0)
+                rows[e] = processor(context, rows[e])
+        logits = mx.concatenate(rows, axis=0)
     if grouped:
         # Queue this step's forward pass behind the previous step before
         # waiting for that step's tokens: the GPU never idles for the masks'
