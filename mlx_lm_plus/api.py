@@ -241,7 +241,10 @@ class Server:
                 )
             return self.not_found(request)
         if request.method == "DELETE" and request.path == "/v1/cache":
-            return self.json_response(request, self.engine.clear_cache())
+            # Deleting the disk tier's files takes a while: not on the loop.
+            loop = asyncio.get_running_loop()
+            return self.json_response(
+                request, await loop.run_in_executor(None, self.engine.clear_cache))
         if request.method == "POST":
             if request.path not in COMPLETION_PATHS:
                 return self.not_found(request)

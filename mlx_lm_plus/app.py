@@ -37,6 +37,7 @@ def build(cli_args):
         ttl=cli_args.prompt_cache_ttl or None,
         bits=cli_args.prompt_cache_bits,
         group_size=cli_args.kv_group_size,
+        share_kv=cli_args.kv_bits is None,
     )
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())

@@ -11,9 +11,8 @@ place of image tokens). `fetch` finds the best usable entry for a key:
   trimmed    a longer or sibling entry sharing a longer common prefix, cut
              down to it; only when every layer of it can be trimmed.
 
-Generation never mutates a stored entry: `fetch` hands out a deep copy (a
-dequantized one under quantized storage). Entries are stored compacted to
-their real length (KV buffers are allocated in steps of 256 tokens).
+Generation never mutates a stored entry: `fetch` hands out a private copy
+(new arrays, dequantized under quantized storage).
 
 The tree is compressed: each node's edge holds a run of token ids (an int64
 array: image ids are negative 63-bit fingerprints), a node exists only where
@@ -21,8 +20,23 @@ an entry ends or keys diverge, and an entry holds no copy of its key (its
 node's path spells it). So the index costs about 8 bytes per distinct cached
 token plus a fixed overhead per node and per entry, all of it counted.
 
-Limits, enforced on every insert: `max_bytes` (`nbytes`: the entries' KV
-bytes plus the index's bytes, `kv_bytes` + `index_bytes`) and
+Shared attention KV, state-only checkpoints (after SGLang's radix cache and
+its Mamba radix cache): the edges own their tokens' attention KV (Spans, one
+per run of tokens inserted or cut apart; every edge in the tree is on the
+path of some entry, so every edge has its KV). An entry holds only what
+cannot be shared: a SharedKV shell per plain KV layer (its class and
+attributes) and its other layers whole: recurrent states (ArraysCache),
+sliding windows, chunked KV. So a hybrid model's message-boundary
+checkpoint costs its recurrent state, not another copy of the history; a
+pure attention model's entries cost their new tokens only, and branches
+share their common prefix; a pure recurrent model's entries are states.
+`fetch` joins the spans along the key into new arrays. An edge's KV is freed
+when the last entry below it goes (the branch is pruned). Every cache
+inserted for a model must have the same layer kinds in the same places (its
+`layout`); a plain KV layer must hold exactly the key's tokens.
+
+Limits, enforced on every insert: `max_bytes` (`nbytes`: the spans' and the
+entries' own bytes plus the index's bytes, `kv_bytes` + `index_bytes`) and
 `max_sequences`, the number of distinct sequences: leaf entries only. A
 conversation's chain of checkpoints counts once, so upstream's default of 10
 keeps 10 conversations instead of three requests' worth of entries. Idle
@@ -30,8 +44,8 @@ entries expire after `ttl` seconds. A limit of 0 (no bytes or no sequences)
 means no prompt cache: nothing is stored and every fetch misses.
 
 Eviction policy: expired entries first; then, for the byte budget, the
-least recently used entry, inner or leaf. Every entry holds its own memory
-(a checkpoint is a full copy of the state at its position), so a
+least recently used entry, inner or leaf. Evicting an inner checkpoint frees
+its state; evicting a leaf also frees the KV of the edges only it used. A
 conversation's old checkpoints, which nothing has fetched since, go before
 the latest entries of other conversations; a shared system prompt stays as
 long as new conversations keep fetching it. (Evicting leaves first, as a
@@ -40,13 +54,13 @@ and threw away their latest entries: with six interleaved conversations in
 4 MB, 6.2 prompt tokens recomputed per novel one instead of 1.0.) For
 `max_sequences`, which counts leaves, the least recently used leaf goes. On
 models whose caches are all trimmable, a new entry makes the entries on its
-own path redundant (the longer one can be trimmed to any of them), so they
+own path redundant (the longer one can be cut to any of them), so they
 are dropped.
 
-Quantized storage (--prompt-cache-bits 4 or 8): the store then holds each
+Quantized storage (--prompt-cache-bits 4 or 8): the spans then hold each
 plain KV layer's keys and values `mx.quantize`d (group size --kv-group-size;
-other layers as they are), counts those bytes against the budget, and
-dequantizes on fetch into a layer of the class it was inserted as, so the
+other layers as they are), those bytes count against the budget, and
+fetch dequantizes into a layer of the class it was inserted as, so the
 same budget holds about 1.9x (8 bits) or 3.6x (4 bits) the tokens of a
 float16 cache at group size 64 (`quantize_for_store` / `restore_from_store`).
 
@@ -101,6 +115,10 @@ class Entry:
     hits: int = 0
     ntokens: int = 0  # len(key)
     images: int = 0  # distinct image ids (negative tokens) in the key
+    # Every layer can be cut to a prefix (plain KV and trimmable held layers).
+    trimmable: bool = False
+    # "generated" entries: where the reply starts in the key (0: unknown).
+    reply_start: int = 0
     node: Optional["_Node"] = field(default=None, repr=False)
     lock: Any = field(default=None, repr=False)  # the store's
 
@@ -119,11 +137,14 @@ class Entry:
 
 
 class _Node:
-    __slots__ = ("parent", "edge", "depth", "children", "entry", "below")
+    __slots__ = ("parent", "edge", "depth", "children", "entry", "below", "kv")
 
     def __init__(self, parent: Optional["_Node"], edge: array, depth: int):
         self.parent = parent
         self.edge = edge  # the tokens from the parent to here (root: none)
+        # The attention KV of the edge's tokens, as Spans in order (their
+        # tokens add up to len(edge)); the root has none.
+        self.kv: List["Span"] = []
         self.depth = depth  # tokens from the root to the end of the edge
         # Keyed by the first token of the child's edge.
         self.children: Dict[int, "_Node"] = {}
@@ -140,14 +161,15 @@ def _measure() -> Tuple[int, int]:
     token = 1 << 40  # a child's key in its parent's children
     node_bytes = (sys.getsizeof(node) + sys.getsizeof(node.edge)  # its header
                   + sys.getsizeof({token: node})  # a children dict (to 5)
-                  + sys.getsizeof(token))
+                  + sys.getsizeof(token)
+                  + sys.getsizeof([None]))  # its list of spans (usually one)
     entry = Entry([], 1 << 40, "prompt", 1.5, 2.5, 3.5, 0, 1 << 40, 0)
     # Its slot in the store's dict of entries, averaged over a large one.
     table = dict.fromkeys(object() for _ in range(1024))
     slot = (sys.getsizeof(table) - sys.getsizeof({})) // len(table)
     entry_bytes = (sys.getsizeof(entry) + slot
                    + 3 * sys.getsizeof(1.5)  # created, last_used, prev_used
-                   + 2 * sys.getsizeof(1 << 40))  # nbytes, ntokens
+                   + 3 * sys.getsizeof(1 << 40))  # nbytes, ntokens, reply_start
     return node_bytes, entry_bytes
 
 
@@ -248,6 +270,120 @@ class StoredKV(QuantizedKVCache):
         return layer
 
 
+    @classmethod
+    def holding(cls, like: "SharedKV", keys, values, n: int) -> "StoredKV":
+        """A StoredKV of already quantized keys and values (for the disk
+        tier: what an entry whose KV the tree's edges hold looks like whole)."""
+        stored = cls.__new__(cls)
+        QuantizedKVCache.__init__(stored, group_size=like.group_size, bits=like.bits)
+        stored.layer_class, stored.extra, stored.dtype = like.layer_class, like.extra, like.dtype
+        stored.keys, stored.values, stored.offset = keys, values, n
+        return stored
+
+
+@dataclass(eq=False, slots=True)
+class Span:
+    """The attention KV of a run of tokens on one edge of the tree: per
+    shared layer, (keys, values), each an array (B, heads, tokens, dim) or,
+    under quantized storage, mx.quantize's (packed, scales, biases) tuple.
+    Its arrays are its own (never views of a larger buffer), so dropping a
+    span frees what `nbytes` counts."""
+    ntokens: int
+    layers: List[Tuple[Any, Any]]
+    nbytes: int  # its arrays
+    overhead: int  # its Python objects (counted as index bytes)
+
+
+_SPAN_OBJECT = sys.getsizeof(Span(0, [], 0, 0))
+
+
+def _tensors(x) -> Tuple[mx.array, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _cut(x, start: int, stop: int, own: bool = False):
+    """Tokens [start, stop) of keys or values, in a buffer of their own
+    (mx.array copies; mx.contiguous may keep a row-contiguous slice in its
+    source's buffer, which would keep uncounted bytes alive). `own`: x is
+    in a buffer of its own (read from disk), so all of it is taken as is."""
+    if isinstance(x, tuple):
+        return tuple(_cut(p, start, stop, own) for p in x)
+    if own and start == 0 and stop == x.shape[2]:
+        return x
+    return mx.array(x[..., start:stop, :])
+
+
+def _head(x, n: int):
+    """The first n tokens of keys or values (a view: to be read, not kept)."""
+    if isinstance(x, tuple):
+        return tuple(p[..., :n, :] for p in x)
+    return x[..., :n, :]
+
+
+def _join(parts: List[Any]):
+    """Keys or values of consecutive spans as one (a new array, or tuple of
+    arrays, never one of the spans' own objects: callers write into it)."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate([p[i] for p in parts], axis=2)
+                     for i in range(len(parts[0])))
+    return mx.concatenate(parts, axis=2)
+
+
+def make_span(layers: List[Tuple[Any, Any]], ntokens: int) -> Span:
+    nbytes = overhead = 0
+    for pair in layers:
+        overhead += sys.getsizeof(pair)
+        for x in pair:
+            overhead += sys.getsizeof(x) if isinstance(x, tuple) else 0
+            for t in _tensors(x):
+                nbytes += t.nbytes
+                overhead += sys.getsizeof(t)
+    overhead += sys.getsizeof(layers) + _SPAN_OBJECT
+    return Span(ntokens, layers, nbytes, overhead)
+
+
+def split_span(span: Span, m: int) -> Tuple[Span, Span]:
+    """The span's first m tokens and the rest, each in buffers of its own."""
+    first = [(_cut(k, 0, m), _cut(v, 0, m)) for k, v in span.layers]
+    rest = [(_cut(k, m, span.ntokens), _cut(v, m, span.ntokens)) for k, v in span.layers]
+    return make_span(first, m), make_span(rest, span.ntokens - m)
+
+
+@dataclass(eq=False)
+class SharedKV:
+    """In an entry, a plain KV layer whose keys and values the tree's edges
+    hold (shared by every entry whose key passes there): what turns them back
+    into the layer it was. `bits`: quantized storage of this layer (None:
+    as it was)."""
+    layer_class: type
+    extra: Dict[str, Any]
+    dtype: Any
+    bits: Optional[int] = None
+    group_size: int = 64
+    nbytes = 0  # its tokens' KV is counted in the spans
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def restore(self, keys, values, n: int):
+        """A new layer of the original class holding n tokens: `keys` and
+        `values` are the spans' parts joined (dequantized here)."""
+        if self.bits is not None:
+            keys, values = (mx.dequantize(*x, self.group_size, self.bits, dtype=self.dtype)
+                            for x in (keys, values))
+        layer = self.layer_class.__new__(self.layer_class)
+        layer.__dict__.update(copy.deepcopy(self.extra))
+        layer.keys, layer.values, layer.offset = keys, values, n
+        return layer
+
+    def stored(self, keys, values, n: int):
+        """The layer as an unshared store held it (StoredKV when quantized):
+        what the disk tier writes."""
+        if self.bits is not None:
+            return StoredKV.holding(self, keys, values, n)
+        return self.restore(keys, values, n)
+
+
 def _quantizable(c, group_size: int) -> bool:
     return (is_plain_kv(c) and c.keys is not None and c.offset > 0
             and c.keys.shape[-1] % group_size == 0
@@ -274,6 +410,9 @@ def restore_from_store(stored: List[Any], trim: int = 0) -> List[Any]:
         cache = copy.deepcopy(stored)
         if trim:
             trim_prompt_cache(cache, trim)
+            for c in cache:  # as the memory tier's fetch gives it (views: no copy)
+                if is_plain_kv(c) and c.keys is not None and c.keys.shape[2] > c.offset:
+                    c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
         return cache
     trim = trim if can_trim_prompt_cache(stored) else 0
     cache = []
@@ -324,8 +463,14 @@ def cache_nbytes(cache: List[Any]) -> int:
 class PromptStore:
     def __init__(self, max_bytes: int, max_sequences: Optional[int] = None,
                  ttl: Optional[float] = None, clock=time.monotonic,
-                 bits: Optional[int] = None, group_size: int = 64):
+                 bits: Optional[int] = None, group_size: int = 64,
+                 share_kv: bool = True):
         self.max_bytes = max_bytes
+        # False (--kv-bits): entries hold their plain KV layers whole, as
+        # their QuantizedKVCache ones (a model's caches are then KVCache
+        # below --quantized-kv-start and QuantizedKVCache above: two layouts
+        # that can't share spans).
+        self.share_kv = share_kv
         self.max_sequences = max_sequences
         self.ttl = ttl
         # Quantized storage of plain KV layers (None: stored as they are).
@@ -334,13 +479,20 @@ class PromptStore:
             mx.quantize(mx.zeros((1, group_size)), group_size, bits)
         self._clock = clock
         self._roots: Dict[Any, _Node] = {}
+        # model -> where its entries' shared layers are and whether each is
+        # quantized: every span of its tree has one (keys, values) per item.
+        self._layouts: Dict[Any, Tuple[Tuple[int, Optional[int]], ...]] = {}
         self._entries: Dict[Entry, Any] = {}  # entry -> model
         # Kept up to date on every change (never a walk): the entries' cache
         # bytes, the index's bytes (nodes, edges, entries' own objects), and
         # the entries that are leaves.
         self.kv_bytes = 0
         self.index_bytes = 0
+        self.tree_tokens = 0  # distinct tokens: the edges' (their KV is held once)
         self._leaves = 0
+        # Arrays made under the lock (spans cut on insert) and evaluated
+        # once it is released.
+        self._fresh: List[mx.array] = []
         self.stats = Counter()
         # The generation thread mutates; HTTP handlers read snapshots.
         self._lock = threading.RLock()
@@ -351,6 +503,7 @@ class PromptStore:
         # views of the arrays, which HTTP handlers reading a snapshot should
         # not wait for.
         self._spills: List[Tuple[Any, List[int], List[Any], str]] = []
+        self._no_spill = False  # set by trim_to(to_disk=False) while it runs
 
     def __len__(self):
         return len(self._entries)
@@ -413,10 +566,14 @@ class PromptStore:
         stored = tier.load(handle)  # as the store held it (StoredKV layers too)
         if stored is None:
             return None
-        cache = restore_from_store(stored, handle.ntokens - covered)
-        key = tier.key_of(handle)  # None: replaced or evicted since `find`
-        if key is not None:
-            self.insert(model, key, stored, handle.kind, from_disk=True)
+        try:
+            cache = restore_from_store(stored, handle.ntokens - covered)
+            key = tier.key_of(handle)  # None: replaced or evicted since `find`
+            if key is not None:
+                self.insert(model, key, stored, handle.kind, from_disk=True)
+        except Exception:  # an entry that won't restore is a miss, not a failure
+            logging.exception("Prompt cache: could not use an entry read from disk")
+            return None
         return Fetched(cache, covered, "disk")
 
     def _descend(self, model, key: array):
@@ -431,7 +588,8 @@ class PromptStore:
         when it would cover fewer than `floor` tokens."""
         if not key:
             return Fetched(None, 0, "miss")
-        node, common, on_path, partial = self._descend(model, array(_TOKENS, key))
+        tokens = array(_TOKENS, key)
+        node, common, on_path, partial = self._descend(model, tokens)
         if node is None:
             return Fetched(None, 0, "miss")
 
@@ -447,10 +605,11 @@ class PromptStore:
             # Below the point where the key leaves the tree: the subtree of
             # the node it ends at, or of the child whose edge it leaves.
             donor = exact or self._nearest_entry(partial or node)
-            if donor is not None and can_trim_prompt_cache(donor.entry.cache):
+            if donor is not None and donor.entry.trimmable:
                 if target < floor:
                     return Fetched(None, 0, "miss")
-                cache = restore_from_store(donor.entry.cache, donor.depth - target)
+                cache = self._materialize(model, tokens, target, donor.entry,
+                                          trim=donor.depth - target)
                 # A hit, but not a reason to keep the donor: the request's own
                 # entry will hold the shared part. Renewing it would keep
                 # stale branches (a reply the next turn re-renders
@@ -463,8 +622,66 @@ class PromptStore:
             entry = best_prefix.entry
             self._touch(entry)
             kind = "checkpoint" if entry.kind in ("checkpoint", "system") else "prefix"
-            return Fetched(restore_from_store(entry.cache), best_prefix.depth, kind)
+            return Fetched(self._materialize(model, tokens, best_prefix.depth, entry),
+                           best_prefix.depth, kind)
         return Fetched(None, 0, "miss")
+
+    def _spans_along(self, model, key: array, n: int) -> List[Tuple[Span, int]]:
+        """(span, tokens of it used) for the first n tokens of `key`, which
+        the model's tree must hold."""
+        node, pos, spans = self._roots[model], 0, []
+        while pos < n:
+            node = node.children[key[pos]]
+            for span in node.kv:
+                if pos >= n:
+                    break
+                take = min(span.ntokens, n - pos)
+                spans.append((span, take))
+                pos += take
+        return spans
+
+    def _layers(self, model, key: array, n: int, entry: Entry, trim: int, whole: bool):
+        """The entry's layers holding the first n tokens of `key` (an entry's
+        key, or one sharing n tokens with it): shared layers from the spans
+        along the path (whole: as an unshared store held them, for the disk
+        tier), its own layers deep copied and `trim` tokens shorter."""
+        spans = self._spans_along(model, key, n) if self._layouts[model] else []
+        out, j = [], 0
+        for layer in entry.cache:
+            if isinstance(layer, SharedKV):
+                k, v = (_join([s.layers[j][i] if take == s.ntokens
+                               else _head(s.layers[j][i], take) for s, take in spans])
+                        for i in (0, 1))
+                j += 1
+                out.append(layer.stored(k, v, n) if whole else layer.restore(k, v, n))
+            elif whole:
+                out.append(layer)
+            else:  # a copy, `trim` shorter (StoredKV dequantized)
+                out.extend(restore_from_store([layer], trim))
+        return out
+
+    def _materialize(self, model, key: array, n: int, entry: Entry, trim: int = 0):
+        """A private copy of `entry`'s cache holding the first n tokens of
+        `key` (new arrays: nothing the store holds is handed out)."""
+        return self._layers(model, key, n, entry, trim, whole=False)
+
+    def _whole(self, model, entry: Entry) -> List[Any]:
+        """The entry as one cache in stored form (StoredKV layers under
+        quantized storage; its own layers not copied): what the disk tier
+        writes. Lazy: the joins run when the tier evaluates them."""
+        key = array(_TOKENS, entry.key)
+        return self._layers(model, key, len(key), entry, 0, whole=True)
+
+    def stored_cache(self, entry: Entry) -> Optional[List[Any]]:
+        """The entry's cache in stored form, evaluated (for tests and tools);
+        None once it has left the store."""
+        with self._lock:
+            model = self._entries.get(entry)
+            if model is None:
+                return None
+            cache = self._whole(model, entry)
+        mx.eval([c.state for c in cache])
+        return cache
 
     def shared_depth(self, model: Any, key: List[int]) -> int:
         """How many leading tokens of `key` the tree holds (any entry's path)."""
@@ -496,9 +713,11 @@ class PromptStore:
     # -- insert --
 
     def insert(self, model: Any, key: List[int], cache: List[Any], kind: str = "prompt",
-               from_disk: bool = False):
+               from_disk: bool = False, reply_start: int = 0):
         """Store `cache` (covering exactly `key`); the store takes ownership.
-        `from_disk`: an entry read back from the disk tier (counted apart)."""
+        `from_disk`: an entry read back from the disk tier (counted apart).
+        `reply_start`: for a "generated" entry, where the reply starts in the
+        key (see _drop_abandoned_replies)."""
         if not key:
             return
         if self.disabled():
@@ -507,16 +726,34 @@ class PromptStore:
             return
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
-        cache = quantize_for_store(compact(cache), self.bits, self.group_size)
-        nbytes = cache_nbytes(cache)
+        layers, sources, layout = self._take(cache, len(tokens))
+        if layers is None:
+            with self._lock:
+                self.stats["not_stored"] += 1
+            return
+        nbytes = cache_nbytes(layers)
+        trimmable = all(c.is_trimmable() for c in layers)
         with self._lock:
+            if self._layouts.setdefault(model, layout) != layout:
+                # Not this model's layer kinds (no server makes such a cache).
+                self.stats["not_stored"] += 1
+                return
+            # The new leaf's span (where the key leaves the tree), made before
+            # the tree changes: an error here leaves the tree as it was.
+            start = self._descend(model, tokens)[1]
+            leaf = [(self._span_part(k, start, len(tokens), q, from_disk),
+                     self._span_part(v, start, len(tokens), q, from_disk))
+                    for k, v, q in sources] if start < len(tokens) else None
             node = self._node_for(model, tokens)
+            if not node.kv and node.parent is not None:  # the new leaf
+                self._add_span(node, leaf, len(node.edge))
             if node.entry is not None:
                 # Replaced in place: the node stays in the tree.
                 self._remove(node.entry, prune=False)
             now = self._clock()
-            entry = Entry(cache, nbytes, kind, now, now, now, ntokens=len(tokens),
-                          images=images, node=node, lock=self._lock)
+            entry = Entry(layers, nbytes, kind, now, now, now, ntokens=len(tokens),
+                          images=images, trimmable=trimmable, reply_start=reply_start,
+                          node=node, lock=self._lock)
             node.entry = entry
             self._leaves += node.below == 0
             self._count_below(node, +1)
@@ -525,10 +762,65 @@ class PromptStore:
             self.kv_bytes += nbytes
             self.index_bytes += ENTRY_BYTES
             self.stats["from_disk" if from_disk else f"insert_{kind}"] += 1
-            if can_trim_prompt_cache(cache):
+            if trimmable:
                 self._drop_redundant_prefixes(node)
+            self._drop_abandoned_replies(node)
             self._enforce_limits(keep=entry)
+            fresh, self._fresh = self._fresh, []
+        mx.eval(fresh + [c.state for c in layers if not isinstance(c, SharedKV)])
         self._spill()
+
+    def _take(self, cache: List[Any], n: int):
+        """An inserted cache of n tokens split into (the entry's layers, the
+        shared layers' sources, the layout); (None, None, None) when a plain
+        KV layer does not hold exactly n tokens.
+
+        Plain KV layers (and StoredKV ones read back from disk) become
+        SharedKV shells: their keys and values go to the tree's spans, cut
+        from the sources, (keys, values, bits to quantize them with, or None)
+        at full length. Recurrent, rotating and chunked layers stay the
+        entry's own: fixed-size states (or windows) at its position."""
+        layers, sources, layout = [], [], []
+        if not self.share_kv:  # every layer the entry's own, as given
+            cache = quantize_for_store(compact(cache), self.bits, self.group_size)
+            return cache, [], ()
+        for c in cache:
+            if isinstance(c, StoredKV) and (c.bits, c.group_size) != (self.bits, self.group_size):
+                c = c.restore()  # written under other settings: as plain KV
+            if isinstance(c, StoredKV):
+                if c.offset != n:
+                    return None, None, None
+                shell = SharedKV(c.layer_class, c.extra, c.dtype, c.bits, c.group_size)
+                source = (tuple(c.keys), tuple(c.values), None)  # quantized already
+            elif is_plain_kv(c):
+                if c.keys is None or c.offset != n:
+                    return None, None, None
+                bits = self.bits if _quantizable(c, self.group_size) else None
+                extra = {k: v for k, v in vars(c).items()
+                         if k not in ("keys", "values", "offset")}
+                shell = SharedKV(type(c), extra, c.keys.dtype, bits, self.group_size)
+                source = (c.keys, c.values, bits)
+            else:
+                layers.append(c)
+                continue
+            layout.append((len(layers), shell.bits))
+            layers.append(shell)
+            sources.append(source)
+        return layers, sources, tuple(layout)
+
+    def _span_part(self, x, start: int, stop: int, bits: Optional[int], own: bool):
+        """Tokens [start, stop) of a source's keys or values, as a span holds
+        them (quantized with `bits` when given; `own`: see _cut)."""
+        if bits is None:
+            return _cut(x, start, stop, own)
+        return tuple(mx.quantize(x[..., start:stop, :], self.group_size, bits))
+
+    def _add_span(self, node: _Node, layers: List[Tuple[Any, Any]], ntokens: int):
+        span = make_span(layers, ntokens)
+        node.kv.append(span)
+        self.kv_bytes += span.nbytes
+        self.index_bytes += span.overhead
+        self._fresh.extend(t for pair in layers for x in pair for t in _tensors(x))
 
     def _node_for(self, model, key: array) -> _Node:
         """The node at the end of `key`, made (splitting an edge where the key
@@ -543,6 +835,7 @@ class PromptStore:
             if child is None:
                 leaf = node.children[key[pos]] = _Node(node, key[pos:], len(key))
                 self.index_bytes += NODE_BYTES + _TOKEN_BYTES * len(leaf.edge)
+                self.tree_tokens += len(leaf.edge)
                 return leaf
             m = _matching(child.edge, key, pos)
             if m < len(child.edge):
@@ -554,6 +847,7 @@ class PromptStore:
         """Cut `node`'s edge after `m` tokens: a new node above it ends there."""
         parent = node.parent
         upper = _Node(parent, node.edge[:m], parent.depth + m)
+        upper.kv, node.kv = self._split_spans(node.kv, m)
         node.edge = node.edge[m:]
         node.parent = upper
         upper.children[node.edge[0]] = node
@@ -562,9 +856,29 @@ class PromptStore:
         self.index_bytes += NODE_BYTES  # the tokens only moved
         return upper
 
+    def _split_spans(self, spans: List[Span], m: int) -> Tuple[List[Span], List[Span]]:
+        """Spans covering an edge cut after m tokens: those of the first m
+        and those of the rest (a span across the cut is cut in two)."""
+        pos = 0
+        for i, span in enumerate(spans):
+            if pos + span.ntokens > m:
+                break
+            pos += span.ntokens
+        else:
+            return spans, []
+        if pos == m:
+            return spans[:i], spans[i:]
+        first, rest = split_span(span, m - pos)
+        self.kv_bytes += first.nbytes + rest.nbytes - span.nbytes
+        self.index_bytes += first.overhead + rest.overhead - span.overhead
+        self._fresh.extend(t for s in (first, rest) for pair in s.layers
+                           for x in pair for t in _tensors(x))
+        return spans[:i] + [first], [rest] + spans[i + 1:]
+
     def _merge(self, node: _Node):
         """Fold `node` (no entry, one child) into its child."""
         (child,) = node.children.values()
+        child.kv = node.kv + child.kv
         child.edge = node.edge + child.edge
         child.parent = node.parent
         node.parent.children[node.edge[0]] = child  # in node's place
@@ -590,11 +904,28 @@ class PromptStore:
                 n.entry.last_used = n.entry.prev_used
             n = n.parent
 
+    def _drop_abandoned_replies(self, node: _Node):
+        """A new entry that leaves the path of a "generated" leaf inside its
+        reply: that reply was abandoned. A chat client that sends a reply
+        back as it was generated continues its path; one whose template
+        renders it differently (reasoning dropped, tool calls re-serialized)
+        or that regenerated it leaves it there, and nothing will continue
+        the old tokens. So it goes (the KV of its own tail and, on hybrid
+        models, its state), instead of waiting for the budget."""
+        parent = node.parent
+        if parent is None or node.children or len(parent.children) < 2:
+            return
+        for sibling in list(parent.children.values()):
+            old = sibling.entry
+            if (sibling is not node and old is not None and not sibling.children
+                    and old.kind == "generated" and 0 < old.reply_start <= parent.depth):
+                self._remove(old, reason="abandoned")
+
     def _drop_redundant_prefixes(self, node: _Node):
         n = node.parent
         while n is not None:
             up = n.parent  # n itself may be merged away below
-            if n.entry is not None and can_trim_prompt_cache(n.entry.cache):
+            if n.entry is not None and n.entry.trimmable:
                 self._remove(n.entry, reason="redundant")
             n = up
 
@@ -638,10 +969,16 @@ class PromptStore:
             self._remove(victim, reason="evicted")
         self._trim_to(self.max_bytes, keep=keep)
 
-    def trim_to(self, n_bytes: int, keep: Optional[Entry] = None):
-        """Evict until the entries and the index hold at most `n_bytes`."""
+    def trim_to(self, n_bytes: int, keep: Optional[Entry] = None, to_disk: bool = True):
+        """Evict until the entries and the index hold at most `n_bytes`.
+        to_disk=False: nothing goes to the disk tier (after an allocation
+        failure, when a copy for the writer is the last thing wanted)."""
         with self._lock:
-            self._trim_to(n_bytes, keep)
+            self._no_spill = not to_disk
+            try:
+                self._trim_to(n_bytes, keep)
+            finally:
+                self._no_spill = False
         self._spill()
 
     def _trim_to(self, n_bytes: int, keep: Optional[Entry] = None):
@@ -655,29 +992,44 @@ class PromptStore:
                 break
 
     def _remove(self, entry: Entry, reason: Optional[str] = None, prune: bool = True):
+        # An inner entry's path stays in memory (entries below use it): only
+        # leaves go to disk, whole (their file is a whole cache: joining the
+        # path's spans makes a copy, held until the tier has written it).
+        tier = (self._disks.get(self._entries[entry])
+                if reason in _TO_DISK and entry.node.below == 0 and not self._no_spill
+                else None)
+        if tier is not None:  # while the node's path still spells it and holds its KV
+            whole = self._whole(self._entries[entry], entry)
+            self._spills.append((tier, list(entry.key), whole, entry.kind))
         model = self._entries.pop(entry)
-        tier = self._disks.get(model) if reason in _TO_DISK else None
-        if tier is not None:  # the key, while the node's path still spells it
-            self._spills.append((tier, list(entry.key), entry.cache, entry.kind))
         node, entry.node = entry.node, None
         node.entry = None
         self._leaves -= node.below == 0
         self._count_below(node, -1)
         self.kv_bytes -= entry.nbytes
         self.index_bytes -= ENTRY_BYTES
+        freed = entry.nbytes
+        if prune:
+            # Prune the branch up to the nearest node still in use (the KV of
+            # edges no entry passes through any more goes with it)...
+            while node.parent is not None and node.entry is None and not node.children:
+                del node.parent.children[node.edge[0]]
+                spans = sum(s.nbytes for s in node.kv)
+                self.kv_bytes -= spans
+                freed += spans
+                self.index_bytes -= (NODE_BYTES + _TOKEN_BYTES * len(node.edge)
+                                     + sum(s.overhead for s in node.kv))
+                self.tree_tokens -= len(node.edge)
+                node.parent, node.kv, node = None, [], node.parent
         if reason:
             self.stats[reason] += 1
-            self.stats[f"{reason}_bytes"] += entry.nbytes
+            self.stats[f"{reason}_bytes"] += freed
         if not prune:
             return
-        # Prune the branch up to the nearest node still in use...
-        while node.parent is not None and node.entry is None and not node.children:
-            del node.parent.children[node.edge[0]]
-            self.index_bytes -= NODE_BYTES + _TOKEN_BYTES * len(node.edge)
-            node.parent, node = None, node.parent
         if node.parent is None:
             if not node.children:
                 del self._roots[model]
+                self._layouts.pop(model, None)
                 self.index_bytes -= NODE_BYTES
         elif node.entry is None and len(node.children) == 1:
             # ...which, left without an entry on a path that no longer
@@ -731,7 +1083,8 @@ class PromptStore:
         self._spill()
         with self._lock:
             order = sorted(self._entries.items(), key=lambda em: -em[0].last_used)
-            jobs = [(self._disks[m], list(e.key), e.cache, e.kind, e.nbytes)
+            jobs = [(self._disks[m], list(e.key), self._whole(m, e), e.kind,
+                     e.nbytes + self._path_bytes(m, e))
                     for e, m in order if m in self._disks]
             tiers = list(dict.fromkeys(self._disks.values()))
         saved = 0
@@ -781,6 +1134,20 @@ class PromptStore:
         out["spilled"] = self.stats["spilled"]  # entries handed over on eviction
         return out
 
+    def entry_bytes(self, entry: Entry) -> int:
+        """What the entry's leaving frees: its own layers, and for a leaf the
+        KV of the edge into its node (the dashboard's per-entry figure)."""
+        with self._lock:
+            node = entry.node
+            alone = node is not None and not node.children
+            return entry.nbytes + (sum(s.nbytes for s in node.kv) if alone else 0)
+
+    def _path_bytes(self, model, entry: Entry) -> int:
+        """The KV bytes of the spans along the entry's key."""
+        n = entry.ntokens
+        return sum(s.nbytes * take // s.ntokens for s, take in
+                   self._spans_along(model, array(_TOKENS, entry.key), n)) if n else 0
+
     # -- reporting --
 
     def entries(self) -> List[Entry]:
@@ -791,18 +1158,25 @@ class PromptStore:
         """The tree's size by a full walk (for tests: `index_bytes` and the
         leaf count are kept up to date without one)."""
         with self._lock:
-            nodes = tokens = 0
+            nodes = tokens = spans = overhead = 0
+            whole = True  # every edge's spans cover exactly its tokens
             stack = list(self._roots.values())
             while stack:
                 n = stack.pop()
                 nodes += 1
                 tokens += len(n.edge)
+                spans += sum(s.nbytes for s in n.kv)
+                overhead += sum(s.overhead for s in n.kv)
+                whole &= sum(s.ntokens for s in n.kv) == len(n.edge) or (
+                    n.parent is None and not n.kv)
                 stack.extend(n.children.values())
             return {
                 "nodes": nodes,
                 "edge_tokens": tokens,
-                "index_bytes": (nodes * NODE_BYTES + tokens * _TOKEN_BYTES
+                "index_bytes": (nodes * NODE_BYTES + tokens * _TOKEN_BYTES + overhead
                                 + len(self._entries) * ENTRY_BYTES),
+                "kv_bytes": spans + sum(e.nbytes for e in self._entries),
+                "spans_cover_edges": whole,
                 "leaves": sum(e.node.below == 0 for e in self._entries),
             }
 
@@ -830,10 +1204,11 @@ class PromptStore:
                 "expired": self.stats["expired"],
                 "prompt_tokens_saved": self.stats["tokens_saved"],
                 # By tier. Memory: what --prompt-cache-bytes limits, per
-                # token of the entries' keys (each entry holds its own copy).
+                # distinct token (the tree's: entries share their prefixes).
                 "memory": {"entries": len(self._entries), "bytes": self.nbytes,
-                           "tokens": tokens, "hits": memory_hits,
-                           "bytes_per_token": _per_token(self.nbytes, tokens)},
+                           "tokens": tokens, "distinct_tokens": self.tree_tokens,
+                           "hits": memory_hits,
+                           "bytes_per_token": _per_token(self.nbytes, self.tree_tokens)},
                 "disk": self._disk_snapshot(),  # None without --prompt-cache-dir
                 "hits_by_tier": {"memory": memory_hits, "disk": hits.get("disk", 0)},
             }

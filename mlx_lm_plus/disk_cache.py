@@ -10,8 +10,12 @@ Layout: `<directory>/<identity>/` holds one safetensors file per entry
 (`<blake2b of the key>.safetensors`), `index.sqlite` (one row per file: the
 key as an int64 BLOB, sizes, kind, trimmable flag, last use) and `lock`.
 `identity` comes from `model_identity` (config, weights' and adapters' file
-metadata, format version, caller's extras), so another model or quantization
-never reads these entries: it has its own folder.
+metadata, format version, mlx/mlx-lm/mlx-vlm/mlx-lm-plus versions, caller's
+extras), so another model, quantization or implementation never reads these
+entries: it has its own folder. The folder is the owner's only (0700, files
+0600: they hold prompts' token ids); one that is a symbolic link or another
+user's is refused (no tier); names read from the index must be 40 hex digits
+before they make a path.
 
 A file holds the key's token ids (tensor "tokens", int64: image ids are
 negative) and every state array of every layer ("a0", "a1", ...); its
@@ -19,7 +23,9 @@ metadata holds each layer's class (module:name), its `state`'s structure
 (the arrays' places, the scalars) and its other attributes, the ones
 without arrays (what `state` leaves out: MRopeKVCache.rope_delta,
 cache.StoredKV's layer class and dtype), as JSON; the entry's kind; and an
-xxh3 checksum of all tensor bytes. A layer is rebuilt as mlx_lm's
+xxh3 checksum of the whole file (the header's first field, its own 16 digits
+hashed as zeros), so a flipped digit of a layer's offset is caught as surely
+as a flipped bit of its keys. A layer is rebuilt as mlx_lm's
 load_prompt_cache does (`cls.from_state(state)`), then its attributes are
 set; a layer that would not come back whole (a class not importable from
 mlx_lm/mlx_lm_plus/mlx_vlm, an attribute of another kind) is not written.
@@ -27,20 +33,29 @@ Safetensors as mx.save_safetensors writes it, read with mx.load; written
 here rather than by save_prompt_cache, whose loader only knows mlx_lm's own
 classes and keeps nothing outside `state`.
 
+Reading (`load`): the header is read and checked first (a regular file of
+the size written, not followed through a link; the tensors tile the data
+exactly); then mx.load reads the arrays in the background, in file order,
+while the calling thread hashes each one's buffer as it arrives: every byte
+read once, no copy, the checksum over exactly the arrays handed out. The
+key in the file must be the one the index found it under.
+
 Crash safety: a file is written to `*.tmp`, fsynced, renamed, and only then
 gets its row; at startup stray `*.tmp` files, rows without a file (or with a
 file of another size) and files without a row are deleted. A file that fails
-to load (torn, truncated, checksum or key mismatch) is a miss: it is deleted
-and counted, never raised. A write error (ENOSPC or any other) drops that
+to load (torn, truncated, checksum or key mismatch, not a regular file) is a
+miss: it is deleted and counted, never raised. An index SQLite cannot open
+or lock (another process holds it) leaves the tier off and everything kept;
+only one it reads as damaged is started over. A write error (ENOSPC or any other) drops that
 write, counts it, logs one warning and pauses writing for `pause_s`; reads
 go on. Another process using the same folder: the second one gets no disk
 tier (a lock file), rather than deleting the first one's files.
 
 Threads: `put`, `find`, `load` run on the generation thread, the writer on
 its own; `clear` (DELETE /v1/cache) on an HTTP handler's, and only unlinks
-files and edits the in-memory index under the lock. MLX streams are per thread (mlx 0.32: "There is no Stream(cpu, 0) in
-current thread" for any array the writer would have to compute, such as a
-slice), so the writer never touches MLX: `put` makes the arrays contiguous
+files and edits the in-memory index under the lock. MLX streams are per
+thread (mlx 0.32: "There is no Stream(cpu, 0) in current thread" for any
+array the writer would have to compute, such as a slice), so the writer never touches MLX: `put` makes the arrays contiguous
 and evaluated on the caller's thread and hands the writer zero-copy numpy
 views (bfloat16 viewed as uint16); the writer only hashes and writes bytes.
 The in-memory index is shared under a lock; SQLite is used by one thread at a
@@ -58,6 +73,7 @@ import os
 import queue
 import re
 import sqlite3
+import stat
 import struct
 import threading
 import time
@@ -73,9 +89,22 @@ from mlx_lm.models.cache import QuantizedKVCache, can_trim_prompt_cache
 from .cache import _TOKENS, _matching, compact, descend
 
 # Part of every identity: a change of the file format starts a new folder.
-FORMAT = "mlx_lm_plus.disk_cache/1"
+# 2: the checksum covers the whole file (header and metadata too).
+FORMAT = "mlx_lm_plus.disk_cache/2"
 _SUFFIX = ".safetensors"
 _INDEX = "index.sqlite"
+# An entry's file name (less the suffix): _key_name's 40 hex digits. Names
+# read from the index are checked against it before they make a path.
+_NAME = re.compile(r"[0-9a-f]{40}")
+# Every file's header begins with its checksum's field, 16 hex digits at a
+# fixed place (hashed as zeros); the metadata are read back from it.
+_SUM_HEAD = b'{"__metadata__":{"xxh3":"'
+_SUM_AT = 8 + len(_SUM_HEAD)
+_SUM_ZERO = "0" * 16
+# The longest header read (a layer's description is a few hundred bytes).
+_MAX_HEADER = 16 << 20
+# The libraries whose code computes and interprets the cached state.
+_LIBRARIES = ("mlx", "mlx-metal", "mlx-lm", "mlx-vlm", "mlx-lm-plus")
 
 # Files whose metadata make up a model's identity (weights, adapters,
 # configs, tokenizers); configs are hashed by content as well.
@@ -94,6 +123,8 @@ _DTYPES = {
 }
 if hasattr(mx, "float64"):
     _DTYPES[mx.float64] = ("F64", None)
+# safetensors dtype -> bytes per element (what a header may name).
+_ITEMSIZE = {name: d.size for d, (name, _) in _DTYPES.items()}
 # Only cache classes from these packages are rebuilt from a file.
 _CLASS_PACKAGES = ("mlx_lm.", "mlx_lm_plus.", "mlx_vlm.")
 
@@ -131,6 +162,20 @@ def _local_path(path: str) -> Optional[str]:
         return None
 
 
+def _library_versions() -> str:
+    """The installed versions of the libraries that compute a cached state
+    (the model code, the kernels, this package's patches of them)."""
+    from importlib import metadata
+
+    versions = []
+    for dist in _LIBRARIES:
+        try:
+            versions.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ",".join(versions)
+
+
 def model_identity(model_path: str, adapter_path: Optional[str] = None,
                    extra: str = "") -> str:
     """A hex digest naming what a cached KV state depends on.
@@ -139,11 +184,14 @@ def model_identity(model_path: str, adapter_path: Optional[str] = None,
     config or tokenizer file of the model's and the adapter's folders (or the
     model file itself, a GGUF) by name, size and mtime_ns, so re-converting
     or re-quantizing a model in place changes it; the file format version;
-    and `extra`, for what the caller configures beside the files (KV cache
-    quantization, dtype). Where a path has no local files (a repo id not
-    downloaded yet), its name stands in: call this after the model loaded.
+    the versions of mlx, mlx-lm, mlx-vlm and this package (their model code
+    and kernels compute the state: an upgrade starts a new folder rather
+    than resume from states an older implementation computed); and `extra`,
+    for what the caller configures beside the files (KV cache quantization,
+    dtype). Where a path has no local files (a repo id not downloaded yet),
+    its name stands in: call this after the model loaded.
     """
-    h = hashlib.sha256(f"{FORMAT}\0{extra}".encode())
+    h = hashlib.sha256(f"{FORMAT}\0{_library_versions()}\0{extra}".encode())
     for role, path in (("model", model_path), ("adapter", adapter_path)):
         if path is None:
             continue
@@ -272,18 +320,11 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
-def _checksum(views: Sequence[np.ndarray]) -> str:
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(_bytes_of(v))
-    return h.hexdigest()
-
-
-def _write_safetensors(path: str, tensors: Dict[str, Tuple[str, np.ndarray]],
-                       metadata: Dict[str, str]) -> None:
-    """Write a safetensors file (what mx.save_safetensors writes, from numpy
-    views, so that no MLX runs on the writer thread) and fsync it."""
-    header: Dict[str, Any] = {"__metadata__": metadata}
+def _header(tensors: Dict[str, Tuple[str, np.ndarray]], metadata: Dict[str, str]) -> bytes:
+    """A file's length prefix and JSON header, the checksum's digits zeros
+    (its field first, at _SUM_AT)."""
+    meta = {k: v for k, v in metadata.items() if k != "xxh3"}
+    header: Dict[str, Any] = {"__metadata__": {"xxh3": _SUM_ZERO, **meta}}
     offset = 0
     for name, (dtype, a) in tensors.items():
         header[name] = {"dtype": dtype, "shape": list(a.shape),
@@ -291,13 +332,82 @@ def _write_safetensors(path: str, tensors: Dict[str, Tuple[str, np.ndarray]],
         offset += a.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    with open(path, "xb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
+    return struct.pack("<Q", len(head)) + head
+
+
+def _signed(head: bytes, digest: str) -> bytes:
+    return head[:_SUM_AT] + digest.encode() + head[_SUM_AT + len(_SUM_ZERO):]
+
+
+def _write_safetensors(path: str, tensors: Dict[str, Tuple[str, np.ndarray]],
+                       metadata: Dict[str, str]) -> None:
+    """Write a safetensors file (what mx.save_safetensors writes, from numpy
+    views, so that no MLX runs on the writer thread), owner-only, and fsync
+    it. Its checksum (metadata "xxh3") is an xxh3 of the whole file with
+    the checksum's own 16 digits read as zeros: the data, and the header
+    that says how to read them (shapes, dtypes, each layer's offset)."""
+    head = _header(tensors, metadata)
+    h = xxhash.xxh3_64(head)
+    for _, a in tensors.values():
+        h.update(_bytes_of(a))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(path, flags, 0o600), "wb") as f:
+        f.write(_signed(head, h.hexdigest()))
         for _, a in tensors.values():
             f.write(_bytes_of(a))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_header(fd: int, size: int) -> Tuple[bytes, List[str], Dict[str, str]]:
+    """A file's length prefix and header as read, its tensors' names in the
+    order of their data, and its metadata. Raises ValueError unless the
+    tensors tile the rest of the file exactly, so that hashing them in that
+    order hashes every byte after the header."""
+    first = os.pread(fd, 8, 0)
+    if len(first) != 8:
+        raise ValueError("no header")
+    (n,) = struct.unpack("<Q", first)
+    if not _SUM_AT - 8 + len(_SUM_ZERO) < n <= min(_MAX_HEADER, size - 8):
+        raise ValueError(f"header length {n}")
+    head = os.pread(fd, n, 8)
+    if len(head) != n or not head.startswith(_SUM_HEAD):
+        raise ValueError("not this format's header")
+    header = json.loads(head)
+    meta = header.pop("__metadata__")
+    spans = []
+    for name, t in header.items():
+        count = 1
+        for d in t["shape"]:
+            if type(d) is not int or d < 0:
+                raise ValueError(f"{name}: shape {t['shape']}")
+            count *= d
+        begin, end = t["data_offsets"]
+        if end - begin != count * _ITEMSIZE[t["dtype"]]:
+            raise ValueError(f"{name}: {end - begin} bytes for {t['shape']} {t['dtype']}")
+        spans.append((begin, end, name))
+    spans.sort()
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            raise ValueError(f"{name}: data at {begin}, expected {at}")
+        at = end
+    if 8 + n + at != size:
+        raise ValueError(f"{size - 8 - n - at} bytes beside the tensors")
+    return first + head, [name for _, _, name in spans], meta
+
+
+def _own_folder(path: str):
+    """Refuse a folder that is a symbolic link or another user's (its files
+    would be read as this model's states, its index's names turned into
+    paths); keep it owner-only (files hold prompts' token ids and states)."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory (a symbolic link?)")
+    if st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not this user")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _compact(cache: List[Any]) -> List[Any]:
@@ -350,6 +460,7 @@ class _Write:
     nbytes: int  # the arrays' bytes (queue accounting)
     trimmable: bool
     kind: str
+    epoch: int = 0  # the tier's clears when it was queued
 
 
 _STOP = object()
@@ -362,6 +473,8 @@ class DiskTier:
     pause_s = 60.0
     # Writes that would leave less free space than this are not tried.
     min_free_bytes = 64 << 20
+    # How long SQLite waits for a lock another process holds on the index.
+    busy_timeout = 5.0
 
     def __init__(self, directory: str, max_bytes: int, identity: str,
                  max_queue_bytes: Optional[int] = None):
@@ -389,6 +502,7 @@ class DiskTier:
         self._deleted: set = set()  # rows to delete (load found them bad)
         self._full_until = 0.0
         self._stopping = False
+        self._epoch = 0  # clears so far: a write queued before one is dropped
         self._warned: set = set()
         self.stats = dict.fromkeys(
             ("hits", "misses", "writes", "write_errors", "dropped_writes",
@@ -400,8 +514,15 @@ class DiskTier:
         if max_bytes <= 0:
             return
         try:
-            os.makedirs(self.path, exist_ok=True)
-            self._lockfile = open(os.path.join(self.path, "lock"), "a+")
+            os.makedirs(directory, exist_ok=True)
+            try:
+                os.mkdir(self.path, 0o700)
+            except FileExistsError:
+                pass
+            _own_folder(self.path)
+            self._lockfile = open(os.open(
+                os.path.join(self.path, "lock"),
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+")
             fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             logging.warning(f"Prompt cache on disk disabled: {self.path}: {e}"
@@ -426,21 +547,32 @@ class DiskTier:
 
     def _connect(self):
         # Used by one thread at a time: startup, the writer, close.
-        db = sqlite3.connect(os.path.join(self.path, _INDEX), check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("CREATE TABLE IF NOT EXISTS entries (name TEXT PRIMARY KEY, "
-                   "key BLOB NOT NULL, ntokens INTEGER NOT NULL, nbytes INTEGER NOT NULL, "
-                   "trimmable INTEGER NOT NULL, kind TEXT NOT NULL, "
-                   "created REAL NOT NULL, last_used REAL NOT NULL)")
-        rows = db.execute("SELECT name, key, ntokens, nbytes, trimmable, kind, "
-                          "last_used FROM entries").fetchall()
+        index = os.path.join(self.path, _INDEX)
+        # Owner-only, as SQLite then makes its -wal and -shm files.
+        os.close(os.open(index, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        db = sqlite3.connect(index, check_same_thread=False, timeout=self.busy_timeout)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("CREATE TABLE IF NOT EXISTS entries (name TEXT PRIMARY KEY, "
+                       "key BLOB NOT NULL, ntokens INTEGER NOT NULL, nbytes INTEGER NOT NULL, "
+                       "trimmable INTEGER NOT NULL, kind TEXT NOT NULL, "
+                       "created REAL NOT NULL, last_used REAL NOT NULL)")
+            rows = db.execute("SELECT name, key, ntokens, nbytes, trimmable, kind, "
+                              "last_used FROM entries").fetchall()
+        except BaseException:
+            db.close()
+            raise
         return db, rows
 
     def _open_index(self):
         try:
             self._db, rows = self._connect()
-        except sqlite3.DatabaseError as e:
+        except sqlite3.OperationalError:
+            # Locked, unopenable, an I/O error: not a damaged index. The tier
+            # stays off and the index and its files are kept for next time.
+            raise
+        except sqlite3.DatabaseError as e:  # "file is not a database", "malformed"
             # A damaged index: start over (its files go below, rowless).
             logging.warning(f"Prompt cache on disk: index unreadable ({e}), starting empty")
             for suffix in ("", "-wal", "-shm"):
@@ -452,14 +584,26 @@ class DiskTier:
         files = {}
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            if name.endswith(".tmp"):  # a write cut short (killed, crashed)
+            if not name.endswith((".tmp", _SUFFIX)):
+                continue
+            st = os.lstat(full)  # a link is never followed, only removed
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if (name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode)
+                    and _NAME.fullmatch(name[: -len(_SUFFIX)])):
+                files[name[: -len(_SUFFIX)]] = st.st_size
+            else:  # a write cut short (killed, crashed), or not a file of ours
                 _unlink(full)
-            elif name.endswith(_SUFFIX):
-                files[name[: -len(_SUFFIX)]] = os.path.getsize(full)
         stale = []
         for name, key, ntokens, nbytes, trimmable, kind, last_used in rows:
+            if not isinstance(name, str) or not _NAME.fullmatch(name):
+                stale.append(name)  # never made into a path
+                continue
             tokens = array(_TOKENS)
-            tokens.frombytes(key)
+            try:
+                tokens.frombytes(key)
+            except (TypeError, ValueError):
+                tokens = array(_TOKENS)
             if (files.pop(name, None) != nbytes or len(tokens) != ntokens
                     or ntokens == 0 or name in self._entries):
                 stale.append(name)  # no file, or not the one written
@@ -576,6 +720,10 @@ class DiskTier:
     def key_of(self, handle: DiskEntry) -> Optional[List[int]]:
         """The token ids of a stored entry (its node's path), or None once it
         has left the tier."""
+        tokens = self._key_tokens(handle)
+        return None if tokens is None else tokens.tolist()
+
+    def _key_tokens(self, handle: DiskEntry) -> Optional[array]:
         with self._lock:
             node, edges = handle.node, []
             if node is None or self._entries.get(handle.name) is not handle:
@@ -583,15 +731,17 @@ class DiskTier:
             while node is not None:
                 edges.append(node.edge)
                 node = node.parent
-        return [t for edge in reversed(edges) for t in edge]
+        tokens = array(_TOKENS)
+        for edge in reversed(edges):
+            tokens.extend(edge)
+        return tokens
 
     def load(self, handle: DiskEntry) -> Optional[List[Any]]:
         """The entry's whole cache, read back (same classes), or None: a file
         that is gone, torn or corrupt is deleted, counted, and a miss."""
         path = self._file(handle.name)
         try:
-            arrays, meta = mx.load(path, return_metadata=True)
-            cache = self._rebuild(handle, arrays, meta)
+            cache = self._read(handle, path)
         except Exception as e:
             with self._lock:
                 self.stats["misses"] += 1
@@ -612,17 +762,39 @@ class DiskTier:
                 current.last_used = self._touched[handle.name] = time.time()
         return cache
 
-    def _rebuild(self, handle: DiskEntry, arrays: Dict[str, mx.array],
-                 meta: Dict[str, str]) -> List[Any]:
+    def _read(self, handle: DiskEntry, path: str) -> List[Any]:
+        """The entry's file read, checked and rebuilt; raises if it is not
+        the file written for `handle`, whole and unchanged."""
+        # Not following a link; not blocking on a FIFO planted in its place.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != handle.nbytes:
+                raise ValueError(f"{st.st_size} bytes, {handle.nbytes} written")
+            head, order, meta = _read_header(fd, st.st_size)
+        finally:
+            os.close(fd)
         if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
             raise ValueError("not this tier's file")
-        names = sorted((k for k in arrays if k != "tokens"), key=lambda k: int(k[1:]))
-        ordered = [arrays[k] for k in names] + [arrays["tokens"]]
-        # Reads it all now (a short file fails here, not in generation).
-        if _checksum([v for _, v in _host_views(ordered)]) != meta["xxh3"]:
+        arrays = mx.load(path)  # lazy: read by MLX's stream below
+        ordered = [arrays[name] for name in order]
+        # Every byte once: MLX reads the arrays in the file's order in the
+        # background while this thread hashes each one as it arrives (its
+        # memoryview waits for it; xxhash lets go of the GIL), straight from
+        # the arrays' own buffers, which are what the caches get.
+        mx.async_eval(ordered)
+        h = xxhash.xxh3_64(_signed(head, _SUM_ZERO))
+        for a in ordered:
+            h.update(memoryview(a))
+        if h.hexdigest() != head[_SUM_AT:_SUM_AT + len(_SUM_ZERO)].decode():
             raise ValueError("checksum mismatch")
-        tokens = array(_TOKENS, np.asarray(arrays["tokens"]).tobytes())
-        if _key_name(tokens) != handle.name:
+        if arrays["tokens"].dtype != mx.int64 or arrays["tokens"].ndim != 1:
+            raise ValueError("bad key tensor")
+        tokens = array(_TOKENS)
+        tokens.frombytes(memoryview(arrays["tokens"]).cast("B"))
+        # The key the index found it under (None: it left the index since).
+        key = self._key_tokens(handle)
+        if (key is not None and tokens != key) or _key_name(tokens) != handle.name:
             raise ValueError("key mismatch")
         return [_rebuild_layer(layer, arrays) for layer in json.loads(meta["layers"])]
 
@@ -672,14 +844,16 @@ class DiskTier:
             self._pending.add(name)
             self._queued_bytes += nbytes
             self._jobs += 1
+            job.epoch = self._epoch
         self._queue.put(job)
 
     def clear(self) -> int:
         """Drop every entry (DELETE /v1/cache): the files now, their rows
         when the writer next syncs the index (at startup otherwise: rows
-        without a file go). A write already queued still lands. Returns the
-        entries dropped."""
+        without a file go). Writes queued or under way are dropped too (the
+        writer sees the clear: `_epoch`). Returns the entries dropped."""
         with self._lock:
+            self._epoch += 1
             entries = list(self._entries.values())
             for entry in entries:
                 _unlink(self._file(entry.name))
@@ -761,6 +935,8 @@ class DiskTier:
                         self._idle.notify_all()
 
     def _write(self, job: _Write):
+        if job.epoch != self._epoch:  # cleared since it was queued
+            return
         if self._stopping or time.monotonic() < self._full_until:
             with self._lock:
                 self.stats["dropped_writes"] += 1
@@ -771,12 +947,14 @@ class DiskTier:
             free = os.statvfs(self.path)
             if free.f_bavail * free.f_frsize < job.nbytes + self.min_free_bytes:
                 raise OSError(errno.ENOSPC, "too little free space left")
-            job.metadata["xxh3"] = _checksum([v for _, v in job.tensors.values()])
             _write_safetensors(tmp, job.tensors, job.metadata)
             os.replace(tmp, path)
             size = os.path.getsize(path)
             now = time.time()
             with self._lock:
+                if job.epoch != self._epoch:  # cleared while it was written
+                    _unlink(path)
+                    return
                 self._deleted.discard(job.name)
             with self._db:
                 self._db.execute(
@@ -796,6 +974,10 @@ class DiskTier:
             return
         job.tensors = {}  # the arrays may go now
         with self._lock:
+            if job.epoch != self._epoch:  # cleared during the insert
+                _unlink(path)
+                self._deleted.add(job.name)  # its row
+                return
             self._add(DiskEntry(job.name, len(job.tokens), size, job.trimmable,
                                 job.kind, now), job.tokens)
             self.stats["writes"] += 1

@@ -12,10 +12,11 @@ or an Exception instead of any of these. This is the protocol of
 mlx_lm.server 0.32.2's ResponseGenerator, so the pieces it hands around
 (GenerationContext, Response, GenerationArguments) are reused as they are.
 
-Batchable requests (no seed, no draft model, no --kv-bits, no images) join the
-running BatchGenerator; the others are served one at a time by
-`_serve_single` with `stream_generate`, as upstream does. Differences from
-upstream, each on purpose:
+Batchable requests (no seed, no draft model, no images) join the running
+BatchGenerator; the others are served one at a time by `_serve_single` with
+`stream_generate`, as upstream does. Differences from upstream, each on purpose:
+  * with --kv-bits, requests are batched too (quantized_batch.py), where
+    upstream serves them one at a time;
   * new requests are picked up between every generation step (upstream runs
     0.5 s of steps between looks), except under mx.distributed where every look
     costs a collective;
@@ -59,6 +60,7 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv
 from .constraints import ConstraintError, processor_for
 from .prompt import build_prompt, split_at, template_kwargs
+from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
@@ -246,7 +248,7 @@ class Engine:
     def _relieve_memory(self):
         """After an allocation failure: give back half the prompt cache and
         MLX's buffer cache, so the next request has room."""
-        self.store.trim_to(self.store.nbytes // 2)
+        self.store.trim_to(self.store.nbytes // 2, to_disk=False)
         gc.collect()
         mx.clear_cache()
 
@@ -468,10 +470,13 @@ class Engine:
         # on mlx-lm's own vision models they are served sequentially, as
         # upstream does.
         has_images = request.request_type == "chat" and any(_image_parts(request.messages))
+        # --kv-bits batches through quantized_batch.py where every layer
+        # upstream would quantize is a plain KVCache.
         return (
             self.model_provider.is_batchable
             and args.seed is None
-            and self.cli_args.kv_bits is None
+            and (self.cli_args.kv_bits is None
+                 or supports_quantized_batching(self.model_provider.model))
             and (not has_images or self._vision is not None)
         )
 
@@ -594,8 +599,11 @@ class Engine:
         if draft is not None:
             extra += f",draft={model_identity(draft)}"
         try:
+            # Queued writes hold arrays no budget counts: at most a quarter
+            # of the memory budget (and the tier's own cap).
             tier = DiskTier(args.prompt_cache_dir, args.prompt_cache_disk_bytes,
-                            model_identity(model, adapter, extra=extra))
+                            model_identity(model, adapter, extra=extra),
+                            max_queue_bytes=max(1 << 20, self.store.max_bytes // 4))
         except Exception:  # the server goes on with the memory tier alone
             logging.exception("Prompt cache on disk disabled")
             return
@@ -627,8 +635,17 @@ class Engine:
                if s.get("disk") else "")
         )
 
-    def _store(self, key, cache, kind):
-        self.store.insert(self.model_provider.model_key, key, cache, kind)
+    def _store(self, key, cache, kind, reply_start=0):
+        # Speculative decoding leaves the model's and the draft's caches
+        # behind the key, by different counts: cut all to the shortest (a
+        # stored cache holds exactly its key's tokens).
+        held = min((c.offset for c in cache if is_plain_kv(c)), default=len(key))
+        if held < len(key) and all(is_plain_kv(c) for c in cache):
+            for c in cache:
+                c.trim(c.offset - held)
+            key = key[:held]
+        self.store.insert(self.model_provider.model_key, key, cache, kind,
+                          reply_start=reply_start)
 
     def _keep_checkpoints(self, model) -> bool:
         key = self.model_provider.model_key
@@ -806,7 +823,8 @@ class Engine:
             self._current = None
 
     def _serve_single(self, channel, request, args, stream):
-        """Sequential path: seed, draft model, --kv-bits, images."""
+        """Sequential path: seed, draft model, images (and --kv-bits on models
+        quantized_batch.py does not batch)."""
         try:
             model = self.model_provider.model
             tokenizer = self.model_provider.tokenizer
@@ -908,7 +926,7 @@ class Engine:
                 channel.removed()
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
-            self._store(cache_key, cache, "generated")
+            self._store(cache_key, cache, "generated", reply_start=len(plan.tokens))
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
@@ -969,12 +987,18 @@ class _Batch:
 
     def _new_generator(self):
         args = self.engine.cli_args
-        self.generator = BatchGenerator(
+        generator, kv = BatchGenerator, {}
+        if args.kv_bits is not None:  # a batched quantized KV cache
+            generator = QuantizedBatchGenerator
+            kv = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                      quantized_kv_start=args.quantized_kv_start)
+        self.generator = generator(
             self.model,
             completion_batch_size=args.decode_concurrency,
             prefill_batch_size=args.prompt_concurrency,
             prefill_step_size=args.prefill_step_size,
             stream=self.stream,
+            **kv,
         )
 
     @property
@@ -1084,7 +1108,7 @@ class _Batch:
                 cache, tokens = kept[uid]
                 try:
                     engine.store.insert(self.model_key, self._key(uid, tokens), cache,
-                                        "generated")
+                                        "generated", reply_start=self._reply_start(uid))
                 except Exception:
                     # Only this cancelled request's entry is lost.
                     logging.exception("Could not store a cancelled request's cache")
@@ -1150,7 +1174,8 @@ class _Batch:
                 # Stored before the answer ends, so that a follow-up sent the
                 # moment it ends finds it.
                 engine.store.insert(self.model_key, self._key(r.uid, r.all_tokens),
-                                    r.prompt_cache, "generated")
+                                    r.prompt_cache, "generated",
+                                    reply_start=self._reply_start(r.uid))
                 constraint = result["constraint"]
                 if constraint is not None and constraint.error is not None:
                     result["channel"].put(InternalError(
@@ -1159,6 +1184,10 @@ class _Batch:
                 engine._log_store()
                 del self.results[r.uid]
         return True
+
+    def _reply_start(self, uid) -> int:
+        """Where request `uid`'s generated tokens start in its cache key."""
+        return len(self.results[uid]["key_prefix"])
 
     def _key(self, uid, tokens) -> List[int]:
         """The cache key of `tokens` of request `uid` (a prefix of its prompt

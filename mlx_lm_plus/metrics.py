@@ -317,7 +317,7 @@ def cache_entries(store, limit: int = 200) -> List[Dict[str, Any]]:
     for e in sorted(store.entries(), key=lambda e: -e.last_used)[:limit]:
         rows.append({
             "tokens": e.ntokens,
-            "bytes": e.nbytes,
+            "bytes": store.entry_bytes(e),
             "kind": e.kind,
             "hits": e.hits,
             "age_s": round(now - e.created, 1),

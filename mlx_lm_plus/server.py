@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="Number of bits for KV cache quantization (e.g., 4 or 8). "
-        "Disables batching, so requests are served one at a time.",
+        "Requests are batched (a batched quantized KV cache); models with "
+        "sliding-window layers and mlx-vlm models are served one at a time.",
     )
     parser.add_argument(
         "--kv-group-size",

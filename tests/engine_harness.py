@@ -37,7 +37,8 @@ class EngineRunner:
     def __init__(self, model_path, *, max_bytes=1 << 30, max_sequences=None, argv=()):
         self.args = parse_args(["--model", str(model_path), *argv])
         self.provider = ModelProvider(self.args)
-        self.store = PromptStore(max_bytes=max_bytes, max_sequences=max_sequences)
+        self.store = PromptStore(max_bytes=max_bytes, max_sequences=max_sequences,
+                                 share_kv=self.args.kv_bits is None)
         self.engine = Engine(self.provider, self.store)
         self.engine.start()
 

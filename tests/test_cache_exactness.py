@@ -73,7 +73,7 @@ def assert_store_invariant(runner):
         fresh = make_prompt_cache(model)
         model(mx.array(list(entry.key))[None], cache=fresh)
         compact(fresh)
-        for stored, ref in zip(entry.cache, fresh):
+        for stored, ref in zip(runner.store.stored_cache(entry), fresh):
             if hasattr(ref, "max_size"):
                 # Sliding window: a batch-extracted RotatingKVCache keeps the
                 # window (plus a margin), a one-shot prefill keeps everything;
@@ -111,6 +111,56 @@ def test_sequential_path_cached_equals_cold(kind, fixture_path):
                 assert tokens == cold.run(body)[0], (kind, name, i)
                 hits += hit
         assert hits > 0
+        assert_store_invariant(cached)
+    finally:
+        cached.close()
+        cold.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5", "gemma3_text"])
+def test_interleaved_and_concurrent_under_a_tight_budget(kind, fixture_path):
+    """Three conversations, each turn's three requests sent at once (one
+    batch), in a budget that holds about one conversation: entries and the
+    attention KV of the edges they shared are evicted while others still
+    pass there. Outputs equal cold ones, the cache still hits, and every
+    entry left holds exactly its key's state."""
+    path = fixture_path(kind)
+    cached, cold = EngineRunner(path, max_bytes=600_000), EngineRunner(path, max_bytes=0)
+    try:
+        hits = 0
+        for t in range(1, 5):
+            bodies = [conversation(t, tag=f" of trip {c}") for c in range(3)]
+            got = [cached.submit(b).result() for b in bodies] if t % 2 else [
+                c.result() for c in [cached.submit(b) for b in bodies]]
+            for c, (tokens, ctx) in enumerate(got):
+                assert tokens == cold.run(bodies[c])[0], (kind, t, c)
+                hits += ctx.prompt_cache_count > 0
+        snap = cached.store.snapshot()
+        counted = cached.store.recount()
+        assert hits > 0 and snap["evictions"] > 0, snap
+        assert counted["kv_bytes"] == cached.store.kv_bytes and counted["spans_cover_edges"]
+        assert cached.store.nbytes <= 600_000
+        assert_store_invariant(cached)
+    finally:
+        cached.close()
+        cold.close()
+
+
+def test_draft_model_entries_are_cut_to_the_tokens_they_hold(fixture_path):
+    """Speculative decoding leaves the model's and the draft's caches behind
+    the key by different counts: stored cut to the shortest, a repeat and a
+    next turn hit the cache and equal a cache-off run."""
+    path = str(fixture_path("llama"))
+    argv = ["--draft-model", path]
+    cached = EngineRunner(path, argv=argv)
+    cold = EngineRunner(path, max_bytes=0, argv=argv)
+    try:
+        first = conversation(2)
+        assert cached.run(first)[0] == cold.run(first)[0]
+        for body in (first, conversation(3)):
+            tokens, _, hit = cached.run(body)
+            assert hit > 0 and tokens == cold.run(body)[0]
+        assert cached.store.stats["not_stored"] == 0
         assert_store_invariant(cached)
     finally:
         cached.close()

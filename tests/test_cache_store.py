@@ -6,7 +6,13 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from mlx_lm_plus.cache import (
     ENTRY_BYTES,
@@ -15,6 +21,7 @@ from mlx_lm_plus.cache import (
     PromptStore,
     cache_nbytes,
     compact,
+    make_span,
 )
 
 
@@ -31,6 +38,11 @@ def hybrid(n):
     a = ArraysCache(1)
     a[0] = mx.full((1, 4), float(n))
     return [a, kv(n)]
+
+
+def recurrent(n):
+    """A cache of one recurrent layer (16 bytes of state, whatever n)."""
+    return hybrid(n)[:1]
 
 
 MODEL = "m"
@@ -86,8 +98,9 @@ def test_entries_are_stored_compacted():
     c = kv(3, buffer=256)
     store.insert(MODEL, [1, 2, 3], [c])
     (entry,) = store.entries()
-    assert entry.cache[0].keys.shape[2] == 3
-    assert entry.nbytes == store.kv_bytes == 2 * 3 * 4 * 4
+    assert store.stored_cache(entry)[0].keys.shape[2] == 3
+    # The KV is the tree's (a span of the edge), the entry holds no arrays.
+    assert entry.nbytes == 0 and store.kv_bytes == 2 * 3 * 4 * 4
     assert store.nbytes == store.kv_bytes + store.index_bytes
 
 
@@ -134,9 +147,9 @@ def test_budget_evicts_least_recently_used_entries_inner_ones_too():
     store.fetch(MODEL, system + [999])  # a new conversation reuses the system prompt
     # The last turn's entries: each conversation's end and its last boundary.
     latest = {tuple(k) for k in chains.values()} | {tuple(k[:-2]) for k in chains.values()}
-    # Room for the system prompt and those, nothing more.
-    store.max_bytes = _holding(latest | {tuple(system)}, hybrid)
-    store.trim_to(store.max_bytes)
+    # Evicting one entry at a time, the old checkpoints go first.
+    while len(store) > len(latest) + 1:
+        store.trim_to(store.nbytes - 1)
     kept = {e.key for e in store.entries()}
     assert kept == latest | {tuple(system)}
     # Each conversation resumes from its latest entry.
@@ -206,9 +219,9 @@ def _walk(nodes):
 def test_index_bytes_are_counted_and_budgeted():
     long_key = list(range(100_000))
     store = PromptStore(max_bytes=1 << 30)
-    store.insert(MODEL, long_key, [kv(1)])  # a tiny cache for a long key
+    store.insert(MODEL, long_key, recurrent(1))  # a tiny cache for a long key
     s = store.snapshot()
-    assert s["kv_bytes"] == 2 * 4 * 4 and s["index_bytes"] >= 8 * 100_000
+    assert s["kv_bytes"] == 4 * 4 and s["index_bytes"] >= 8 * 100_000
     assert s["bytes"] == store.nbytes == s["kv_bytes"] + s["index_bytes"]
     assert s["cached_tokens"] == 100_000
     store.clear()
@@ -217,13 +230,13 @@ def test_index_bytes_are_counted_and_budgeted():
 
     # Two such keys don't fit in 1 MB: the budget evicts for the index alone.
     store = PromptStore(max_bytes=1_000_000)
-    store.insert(MODEL, long_key, [kv(1)])
-    store.insert(MODEL, [-5] + long_key[1:], [kv(1)])
+    store.insert(MODEL, long_key, recurrent(1))
+    store.insert(MODEL, [-5] + long_key[1:], recurrent(1))
     assert [e.key[0] for e in store.entries()] == [-5] and store.nbytes <= store.max_bytes
     assert store.snapshot()["evictions"] == 1
     # One alone over budget is not kept.
     store.max_bytes = 500_000
-    store.insert(MODEL, [7] + long_key, [kv(1)])
+    store.insert(MODEL, [7] + long_key, recurrent(1))
     assert len(store) == 0 and store.nbytes == 0
 
 
@@ -234,9 +247,9 @@ def test_edges_are_compressed():
     system = list(range(1000, 3000))
     n = 40
     for i in range(n):
-        store.insert(MODEL, system + [i] * 10 + list(range(5000, 7000)), hybrid(1),
+        store.insert(MODEL, system + [i] * 10 + list(range(5000, 7000)), recurrent(1),
                      kind="generated")
-        store.insert(MODEL, system + [i] * 10, hybrid(1), kind="checkpoint")
+        store.insert(MODEL, system + [i] * 10, recurrent(1), kind="checkpoint")
     assert len(store) == 2 * n and store.leaf_count() == n
     nodes = _tree_nodes(store)
     assert nodes <= 2 * n + 2  # root, the system prompt's end, n checkpoints, n ends
@@ -245,7 +258,7 @@ def test_edges_are_compressed():
     assert index == store.recount()["index_bytes"]
     assert 8 * distinct <= index <= 8 * distinct + 2 * len(store) * 1024
     # Keys rebuild from the path; images are counted once, on insert.
-    store.insert(MODEL, system + [-(1 << 62), -(1 << 62), -3, 5], hybrid(1))
+    store.insert(MODEL, system + [-(1 << 62), -(1 << 62), -3, 5], recurrent(1))
     (entry,) = [e for e in store.entries() if e.images]
     assert entry.key == tuple(system + [-(1 << 62), -(1 << 62), -3, 5])
     assert (entry.ntokens, entry.images) == (len(system) + 4, 2)
@@ -261,12 +274,19 @@ def test_edges_are_compressed():
 class _RefStore:
     """The store as it was before the tree was compressed: a Python node per
     token and each entry's key. Its byte count adds the compressed tree's
-    index bytes, computed by a walk, so that both evict alike."""
+    index bytes, computed by a walk, so that both evict alike.
+
+    Shared KV: each token's node holds that token's KV (`token_bytes` of its
+    model's plain KV layers) once, whatever the entries through it; an entry
+    counts only its other layers. The compressed tree keeps the KV in spans,
+    one more wherever an edge was cut: a token `starts` a span where a leaf
+    began or where an edge was split before it."""
 
     class Node:
         def __init__(self, parent, token, depth):
             self.parent, self.token, self.depth = parent, token, depth
             self.children, self.entry, self.below = {}, None, 0
+            self.starts = False
 
     class Entry:
         def __init__(self, key, cache, nbytes, kind, now):
@@ -278,8 +298,16 @@ class _RefStore:
         self.max_bytes, self.max_sequences, self.ttl = max_bytes, max_sequences, ttl
         self._clock = clock
         self._roots, self._entries = {}, {}
-        self.kv_bytes = 0
+        self.held_bytes = 0
+        self.token_bytes = {}  # model -> KV bytes per token
+        self.span_bytes = {}  # model -> a span's Python objects
         self.stats = Counter()
+
+    @property
+    def kv_bytes(self):
+        return self.held_bytes + sum(
+            self.token_bytes[m] for m, root in self._roots.items() for n in _walk([root])
+            if n.parent is not None)
 
     def entries(self):
         return list(self._entries)
@@ -290,12 +318,14 @@ class _RefStore:
 
     @property
     def index_bytes(self):
-        nodes = tokens = 0
-        for n in _walk(self._roots.values()):
-            tokens += n.parent is not None
-            # A node of the compressed tree: a root, an entry, a branch point.
-            nodes += n.parent is None or n.entry is not None or len(n.children) != 1
-        return nodes * NODE_BYTES + 8 * tokens + len(self._entries) * ENTRY_BYTES
+        nodes = tokens = spans = 0
+        for m, root in self._roots.items():
+            for n in _walk([root]):
+                tokens += n.parent is not None
+                # A node of the compressed tree: a root, an entry, a branch point.
+                nodes += n.parent is None or n.entry is not None or len(n.children) != 1
+                spans += n.starts * self.span_bytes[m]
+        return nodes * NODE_BYTES + 8 * tokens + len(self._entries) * ENTRY_BYTES + spans
 
     @property
     def nbytes(self):
@@ -365,13 +395,23 @@ class _RefStore:
             self.stats["not_stored"] += 1
             return
         cache = compact(cache)
-        nbytes = cache_nbytes(cache)
+        shared = [c for c in cache if isinstance(c, KVCache)]
+        nbytes = cache_nbytes(cache) - cache_nbytes(shared)
+        self.token_bytes[model] = cache_nbytes(shared) // len(key)
+        self.span_bytes[model] = make_span(
+            [(c.keys[..., :1, :], c.values[..., :1, :]) for c in shared], 1).overhead
         node = self._roots.setdefault(model, self.Node(None, None, 0))
+        new = False
         for token in key:
             child = node.children.get(token)
             if child is None:
+                if not new and self._inside_an_edge(node):
+                    next(iter(node.children.values())).starts = True  # a split
                 child = node.children[token] = self.Node(node, token, node.depth + 1)
+                child.starts, new = not new, True
             node = child
+        if not new and self._inside_an_edge(node):
+            next(iter(node.children.values())).starts = True  # a split
         if node.entry is not None:
             self._remove(node.entry, prune=False)
         entry = self.Entry(tuple(key), cache, nbytes, kind, self._clock())
@@ -383,7 +423,7 @@ class _RefStore:
                 n.entry.last_used = n.entry.prev_used
             n = n.parent
         self._entries[entry] = (model, node)
-        self.kv_bytes += nbytes
+        self.held_bytes += nbytes
         self.stats[f"insert_{kind}"] += 1
         if can_trim_prompt_cache(cache):
             n = node.parent
@@ -392,6 +432,12 @@ class _RefStore:
                     self._remove(n.entry, reason="redundant")
                 n = n.parent
         self._enforce_limits(keep=entry)
+
+    @staticmethod
+    def _inside_an_edge(node):
+        """Where the compressed tree has no node: the key leaving the path
+        there, or ending there, cuts an edge."""
+        return node.parent is not None and node.entry is None and len(node.children) == 1
 
     def _expire(self):
         if self.ttl is None:
@@ -435,15 +481,17 @@ class _RefStore:
         model, node = self._entries.pop(entry)
         node.entry = None
         self._count_below(node, -1)
-        self.kv_bytes -= entry.nbytes
+        self.held_bytes -= entry.nbytes
+        freed = entry.nbytes
+        while prune and node.parent is not None and node.entry is None and not node.children:
+            del node.parent.children[node.token]
+            freed += self.token_bytes[model]
+            node = node.parent
         if reason:
             self.stats[reason] += 1
-            self.stats[f"{reason}_bytes"] += entry.nbytes
+            self.stats[f"{reason}_bytes"] += freed
         if not prune:
             return
-        while node.parent is not None and node.entry is None and not node.children:
-            del node.parent.children[node.token]
-            node = node.parent
         if node.parent is None and not node.children and node.entry is None:
             self._roots.pop(model, None)
 
@@ -458,8 +506,10 @@ def test_matches_the_per_token_trie(seed):
     rng = random.Random(seed)
     caches = ["kv", "hybrid", "mixed"][seed % 3]
 
-    def make(n):
-        trimmable = caches == "kv" or (caches == "mixed" and rng.random() < 0.5)
+    def make(model, n):
+        # One model's caches have the same layers; "mixed": a trimmable model
+        # and a hybrid one in the same store.
+        trimmable = caches == "kv" or (caches == "mixed" and model == "a")
         return (lambda: [kv(n)]) if trimmable else (lambda: hybrid(n))
 
     now = [0.0]
@@ -486,6 +536,7 @@ def test_matches_the_per_token_trie(seed):
         keys.append(key)
         return key
 
+    held = 0
     for step in range(400):
         now[0] += rng.choice([0.5, 1.0, 3.0])
         model = rng.choice(models)
@@ -497,11 +548,15 @@ def test_matches_the_per_token_trie(seed):
             if f.cache is not None:
                 assert [c.offset for c in f.cache if hasattr(c, "offset")] == \
                     [c.offset for c in g.cache if hasattr(c, "offset")]
+                for c in f.cache:  # the spans joined in order: kv() holds positions
+                    if isinstance(c, KVCache):
+                        assert c.keys.shape[2] == c.offset
+                        assert c.keys[0, 0, :, 0].tolist() == list(range(c.offset)), step
             assert store.shared_depth(model, key) == ref.shared_depth(model, key)
         elif op < 0.9:
             key = random_key(model)
             kind = rng.choice(["prompt", "checkpoint", "generated", "system"])
-            cache = make(len(key))
+            cache = make(model, len(key))
             store.insert(model, key, cache(), kind)
             ref.insert(model, key, cache(), kind)
         elif op < 0.95:
@@ -514,7 +569,8 @@ def test_matches_the_per_token_trie(seed):
         counted = store.recount()
         assert store.index_bytes == counted["index_bytes"] == ref.index_bytes, step
         assert store.leaf_count() == counted["leaves"] == ref.leaf_count(), step
-        assert store.kv_bytes == ref.kv_bytes, step
+        assert store.kv_bytes == counted["kv_bytes"] == ref.kv_bytes, step
+        assert counted["spans_cover_edges"] and store.tree_tokens == counted["edge_tokens"]
         if 0.45 <= op < 0.9 and key:  # enforced on every insert
             assert store.nbytes <= max(store.max_bytes, 0), step
         # Compressed: no node without an entry on a path that does not branch.
@@ -522,7 +578,8 @@ def test_matches_the_per_token_trie(seed):
             assert n.parent is None or n.entry is not None or len(n.children) >= 2
             assert all(c.parent is n and c.edge[0] == t and c.depth == n.depth + len(c.edge)
                        for t, c in n.children.items())
-    assert len(store) > 0 or limits["max_bytes"] < (1 << 30)
+        held = max(held, len(store))
+    assert held > 1  # the comparison was not of empty stores
     store.clear()
     assert store.nbytes == store.index_bytes == 0 and not store._roots
 
@@ -532,7 +589,12 @@ def test_matches_the_per_token_trie(seed):
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache  # noqa: E402
 
-from mlx_lm_plus.cache import StoredKV, quantize_for_store, restore_from_store  # noqa: E402
+from mlx_lm_plus.cache import (  # noqa: E402
+    SharedKV,
+    StoredKV,
+    quantize_for_store,
+    restore_from_store,
+)
 from mlx_lm_plus.vision import MRopeKVCache  # noqa: E402
 
 HEADS, DIM = 4, 64  # head dim 64: one quantization group per head and token
@@ -567,8 +629,8 @@ def test_quantized_entries_hold_more_tokens_per_byte():
         store = PromptStore(max_bytes=1 << 30, bits=bits, group_size=64)
         store.insert(MODEL, list(range(1, n + 1)), [real_kv(n), real_kv(n, seed=1)])
         (entry,) = store.entries()
-        sizes[bits] = entry.nbytes
-        assert entry.nbytes == store.kv_bytes == sum(quantized_bytes(c) for c in entry.cache)
+        sizes[bits] = store.kv_bytes
+        assert store.kv_bytes == sum(quantized_bytes(c) for c in store.stored_cache(entry))
     ratio8, ratio4 = sizes[None] / sizes[8], sizes[None] / sizes[4]
     print(f"tokens per byte vs unquantized: 8 bits {ratio8:.3f}, 4 bits {ratio4:.3f}")
     assert ratio8 == pytest.approx(16 / 8.5) and ratio8 > 1.8
@@ -596,7 +658,7 @@ def test_quantized_round_trip_within_one_step(bits, dtype):
     store = PromptStore(max_bytes=1 << 30, bits=bits)
     store.insert(MODEL, list(range(40)), [original])
     (entry,) = store.entries()
-    stored = entry.cache[0]
+    stored = store.stored_cache(entry)[0]
     assert isinstance(stored, StoredKV) and stored.keys[0].dtype == mx.uint32
     f = store.fetch(MODEL, list(range(41)))
     (c,) = f.cache
@@ -624,7 +686,7 @@ def test_quantized_keeps_class_and_rope_delta():
     store = PromptStore(max_bytes=1 << 30, bits=4)
     store.insert(MODEL, list(range(1, 11)), [real_kv(10, cls=MRopeKVCache, rope_delta=-7)])
     (entry,) = store.entries()
-    assert isinstance(entry.cache[0], StoredKV)
+    assert isinstance(store.stored_cache(entry)[0], StoredKV)
     for key, kind, n in (([*range(1, 11), 99], "prefix", 10),  # the whole entry
                          ([*range(1, 11)], "exact", 9),  # trimmed by one
                          ([1, 2, 3, 4, 99], "trimmed", 4)):
@@ -681,8 +743,10 @@ def test_quantized_hybrid_stores_other_layers_as_they_are():
     store.insert(MODEL, list(range(12)), inserted, kind="checkpoint")
     (entry,) = store.entries()
     assert [type(c) for c in entry.cache] == [ArraysCache, RotatingKVCache, ChunkedKVCache,
-                                              StoredKV]
-    assert store.kv_bytes == sum(quantized_bytes(c) for c in entry.cache)
+                                              SharedKV]
+    stored = store.stored_cache(entry)
+    assert [type(c) for c in stored] == [ArraysCache, RotatingKVCache, ChunkedKVCache, StoredKV]
+    assert store.kv_bytes == sum(quantized_bytes(c) for c in stored)
     assert store.kv_bytes < cache_nbytes(before)
     f = store.fetch(MODEL, list(range(13)))
     assert (f.kind, f.cached) == ("checkpoint", 12)
@@ -708,16 +772,20 @@ def test_quantized_byte_accounting_through_evictions():
         n = rng.randrange(2, 40)
         prefix = rng.choice([[], [7, 7, 7], [1, 2, 3, 4, 5, 6]])
         key = prefix + [rng.randrange(100, 120) for _ in range(n)]
-        make = rng.choice([lambda n: [real_kv(n, seed=i)],
-                           lambda n: [ArraysCache(1), real_kv(n, seed=i)]])
-        cache = make(len(key))
-        if isinstance(cache[0], ArraysCache):
+        # An attention model and a hybrid one (ArraysCache beside the KV).
+        model = rng.choice([MODEL, "hybrid"])
+        cache = [real_kv(len(key), seed=i)]
+        if model == "hybrid":
+            cache.insert(0, ArraysCache(1))
             cache[0][0] = mx.full((1, 4), float(i))
-        store.insert(MODEL, key, cache, kind=rng.choice(["prompt", "checkpoint"]))
+        store.insert(model, key, cache, kind=rng.choice(["prompt", "checkpoint"]))
         entries = store.entries()
-        assert store.kv_bytes == sum(e.nbytes for e in entries)
-        assert store.kv_bytes == sum(quantized_bytes(c) for e in entries for c in e.cache)
-        assert store.index_bytes == store.recount()["index_bytes"]
+        counted = store.recount()
+        assert store.kv_bytes == counted["kv_bytes"] and counted["spans_cover_edges"]
+        # Shared: at most the entries' caches taken whole.
+        assert store.kv_bytes <= sum(quantized_bytes(c) for e in entries
+                                     for c in store.stored_cache(e))
+        assert store.index_bytes == counted["index_bytes"]
         assert store.nbytes <= store.max_bytes and store.leaf_count() <= 5
         if rng.random() < 0.3:
             store.fetch(MODEL, key[: rng.randrange(1, len(key) + 1)])
@@ -731,16 +799,16 @@ def test_quantization_skips_what_it_cannot_group_and_bits_none_stores_as_given()
     store = PromptStore(max_bytes=1 << 30, bits=4)
     store.insert(MODEL, [1, 2, 3], [kv(3)])
     (entry,) = store.entries()
-    assert type(entry.cache[0]) is KVCache and entry.nbytes == 2 * 3 * 4 * 4
-    # bits=None: the very layers inserted, handed out as deep copies.
+    assert type(store.stored_cache(entry)[0]) is KVCache and store.kv_bytes == 2 * 3 * 4 * 4
+    # bits=None: the layers' arrays as inserted, handed out as copies.
     store = PromptStore(max_bytes=1 << 30)
     cache = [real_kv(5)]
     store.insert(MODEL, [1, 2, 3, 4, 5], cache)
     (entry,) = store.entries()
-    assert entry.cache is cache and store.snapshot()["bits"] is None
+    assert store.snapshot()["bits"] is None
     assert quantize_for_store(cache, None, 64) is cache
     got = store.fetch(MODEL, [1, 2, 3, 4, 5, 6]).cache[0]
-    assert got is not cache[0] and mx.array_equal(got.keys, cache[0].keys).item()
+    assert got is not cache[0] and mx.array_equal(got.keys, cache[0].keys[..., :5, :]).item()
     assert restore_from_store(cache, 2)[0].offset == 3 and cache[0].offset == 5
 
 
@@ -781,16 +849,17 @@ def test_evicted_entry_goes_to_disk_and_a_fetch_reads_it_back_exactly(tmp_path):
     store, tier = with_disk(tmp_path, max_bytes=one + one // 2)  # room for one
     store.insert(MODEL, a_key, [real_kv(40), real_kv(40, seed=1)])
     (a,) = store.entries()
-    want = arrays_of(a.cache)
+    want = arrays_of(store.stored_cache(a))
     store.insert(MODEL, b_key, [real_kv(40, seed=2), real_kv(40, seed=3)])
     assert tier.flush(10)
     # A left memory (not counted there any more) and is on disk.
     (b,) = store.entries()
-    assert b.key == tuple(b_key) and store.kv_bytes == b.nbytes
+    assert b.key == tuple(b_key) and store.kv_bytes == cache_nbytes(store.stored_cache(b))
     snap = store.snapshot()
     assert snap["evictions"] == 1 and snap["disk"]["entries"] == 1
     assert snap["disk"]["spilled"] == 1 and snap["disk"]["tokens"] == 40
-    assert snap["memory"] == {"entries": 1, "bytes": store.nbytes, "tokens": 40, "hits": 0,
+    assert snap["memory"] == {"entries": 1, "bytes": store.nbytes, "tokens": 40,
+                              "distinct_tokens": 40, "hits": 0,
                               "bytes_per_token": round(store.nbytes / 40, 1)}
 
     # The next turn of A: a disk hit with exactly A's arrays.
@@ -871,7 +940,7 @@ def test_quantized_entries_come_back_from_disk_as_memory_would_give_them(tmp_pat
     assert type(found.cache[1]) is MRopeKVCache and found.cache[1].rope_delta == 5
     assert arrays_of(found.cache) == arrays_of(want.cache)
     (back,) = store.entries()  # back in memory still quantized
-    assert isinstance(back.cache[0], StoredKV) and back.ntokens == 40
+    assert isinstance(store.stored_cache(back)[0], StoredKV) and back.ntokens == 40
     tier.close()
 
 
@@ -896,7 +965,7 @@ def test_save_to_disk_writes_the_memory_entries_for_a_restart(tmp_path):
     keys = [[i, i + 1, i + 2, i + 3] for i in range(0, 50, 10)]
     for i, key in enumerate(keys):
         store.insert(MODEL, key, [real_kv(4, seed=i)])
-    want = {tuple(e.key): arrays_of(e.cache) for e in store.entries()}
+    want = {tuple(e.key): arrays_of(store.stored_cache(e)) for e in store.entries()}
     assert store.save_to_disk(timeout=30) == 5
     assert not tier.enabled  # closed
     # A restart: a new store and tier on the same folder.
@@ -923,3 +992,103 @@ def test_clear_empties_the_disk_tier_too(tmp_path):
     tier.close()
     # The rows went too: a restart finds nothing.
     assert DiskTier(str(tmp_path / "disk"), 1 << 30, "m").snapshot()["entries"] == 0
+
+
+@pytest.mark.parametrize("make", [lambda n: [kv(n)], hybrid], ids=["attention", "hybrid"])
+def test_an_abandoned_reply_goes_and_a_continued_one_stays(make):
+    store = PromptStore(max_bytes=1 << 30)
+    prompt, reply = [1, 2, 3, 4], [50, 51, 52, 53]
+    store.insert(MODEL, prompt + reply, make(8), "generated", reply_start=4)
+    # Another conversation sharing the first tokens: it leaves before the reply.
+    store.insert(MODEL, [1, 2, 9, 9], make(4), "prompt")
+    assert (1, 2, 3, 4, 50, 51, 52, 53) in {e.key for e in store.entries()}
+    # The same conversation's next turn, the reply sent back as generated:
+    # it continues the path (the reply stays, redundant only if trimmable).
+    store.insert(MODEL, prompt + reply + [7, 7], make(10), "prompt")
+    assert store.stats["abandoned"] == 0
+    # A reply generated again (regenerate) or rendered differently leaves the
+    # old one's path inside it: the old reply goes, with its tail's KV.
+    store.insert(MODEL, prompt + reply + [7, 7, 60, 61], make(12), "generated", reply_start=10)
+    before = store.kv_bytes
+    store.insert(MODEL, prompt + reply + [7, 7, 60, 99, 5], make(13), "checkpoint")
+    assert store.stats["abandoned"] == 1
+    keys = {e.key for e in store.entries()}
+    assert (*prompt, *reply, 7, 7, 60, 61) not in keys
+    assert (*prompt, *reply, 7, 7, 60, 99, 5) in keys and (1, 2, 9, 9) in keys
+    counted = store.recount()
+    assert store.kv_bytes == counted["kv_bytes"] and store.index_bytes == counted["index_bytes"]
+    assert store.kv_bytes < before + 3 * 2 * 16 + 16  # the old tail's KV freed
+
+
+def test_kv_bits_caches_are_held_whole_in_both_layouts():
+    """--kv-bits: a model's caches are KVCache below --quantized-kv-start and
+    QuantizedKVCache above it; with share_kv=False both kinds are stored
+    (each entry its own copy) and come back as they went in."""
+    def layer(n, quantized):
+        c = KVCache()
+        c.update_and_fetch(mx.ones((1, 2, n, 64)), mx.ones((1, 2, n, 64)) * 2)
+        return c.to_quantized(64, 8) if quantized else c
+
+    short, long = list(range(1, 11)), list(range(100, 140))
+    for order in ((False, True), (True, False)):
+        store = PromptStore(max_bytes=1 << 30, share_kv=False)
+        for quantized in order:
+            key = long if quantized else short
+            store.insert(MODEL, key, [layer(len(key), quantized)] * 2)
+        assert len(store) == 2 and store.stats["not_stored"] == 0
+        assert store.kv_bytes == sum(e.nbytes for e in store.entries()) > 0
+        f = store.fetch(MODEL, long + [1])
+        assert (f.kind, f.cached) == ("prefix", 40)
+        assert type(f.cache[0]) is QuantizedKVCache and f.cache[0].offset == 40
+        f = store.fetch(MODEL, short[:6] + [99])  # trimmed, a plain copy
+        assert (f.kind, f.cached) == ("trimmed", 6) and type(f.cache[0]) is KVCache
+        assert f.cache[0].offset == 6 and f.cache[0].values[0, 0, :, 0].tolist() == [2.0] * 6
+        store.clear()
+        assert store.nbytes == 0
+    # Shared (the default), the second kind would be another layout: refused.
+    store = PromptStore(max_bytes=1 << 30)
+    store.insert(MODEL, short, [layer(10, False)])
+    store.insert(MODEL, long, [layer(40, True)])
+    assert len(store) == 1 and store.stats["not_stored"] == 1
+
+
+def test_only_leaves_go_to_disk_and_never_after_an_allocation_failure(tmp_path):
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    chain = list(range(1, 41))
+    store.insert(MODEL, chain[:10], hybrid(10), kind="checkpoint")
+    store.insert(MODEL, chain, hybrid(40), kind="generated")
+    inner = [e for e in store.entries() if e.ntokens == 10]
+    store.fetch(MODEL, chain + [5])  # the leaf is used last: the checkpoint goes first
+    store.trim_to(store.nbytes - 1)
+    assert tier.flush(10) and len(store) == 1 and store.entries()[0].ntokens == 40
+    assert inner and tier.snapshot()["entries"] == 0  # its path stays in memory
+    store.trim_to(0, to_disk=False)  # as the engine does after an allocation failure
+    assert tier.flush(10) and len(store) == 0 and tier.snapshot()["entries"] == 0
+    store.insert(MODEL, chain, hybrid(40), kind="generated")
+    store.trim_to(0)
+    assert tier.flush(10) and tier.snapshot()["entries"] == 1
+    tier.close()
+
+
+def test_spans_hold_buffers_of_their_own():
+    """Cut from a row-contiguous slice (one KV head), a span must not keep
+    its source's buffer alive: what kv_bytes counts is what is held."""
+    import gc
+
+    def one_head(n, seed):
+        mx.random.seed(seed)
+        c = KVCache()
+        c.keys = mx.random.normal((1, 1, n, 128))
+        c.values = c.keys + 1
+        c.offset = n
+        mx.eval(c.keys, c.values)
+        return c
+
+    gc.collect()
+    start = mx.get_active_memory()
+    store = PromptStore(max_bytes=1 << 34)
+    for i in range(40):  # 40 branches after 8 shared tokens: each span a suffix cut
+        store.insert(MODEL, list(range(8)) + [1000 + i] * 52, [one_head(60, i) for _ in range(4)])
+    gc.collect()
+    held = mx.get_active_memory() - start
+    assert store.kv_bytes <= held <= store.kv_bytes * 1.02 + (1 << 16), (held, store.kv_bytes)

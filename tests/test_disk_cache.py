@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import mlx.core as mx
@@ -439,6 +440,175 @@ def test_process_killed_mid_write(tier_dir):
     t.close()
 
 
+def test_checksum_covers_the_header(tier_dir):
+    """One bit of a layer's offset in the metadata (a digit of the JSON): the
+    arrays are intact, the state they would make is not. A miss."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    (name,) = files(t, "*.safetensors")
+    path = os.path.join(t.path, name)
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b'\\"offset\\":3')  # in the layers' JSON, inside the metadata
+    data[at + len(b'\\"offset\\":')] ^= 1  # "3" -> "2"
+    open(path, "wb").write(bytes(data))
+    assert mx.load(path)["a0"].shape == (1, 2, 3, 8)  # still a readable file
+    assert t.load(t.find([1, 2, 3, 4])[1]) is None
+    assert t.snapshot()["corrupt"] == 1 and not os.path.exists(path)
+    t.close()
+
+
+def test_file_of_another_format_is_a_miss(tier_dir):
+    """A safetensors file of the same arrays and metadata, as another writer
+    (or an older format) lays it out: deleted as unreadable, never a crash."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    (name,) = files(t, "*.safetensors")
+    path = os.path.join(t.path, name)
+    arrays, meta = mx.load(path, return_metadata=True)
+    os.remove(path)
+    mx.save_safetensors(path, arrays, {**meta, "format": "mlx_lm_plus.disk_cache/1"})
+    handle = t.find([1, 2, 3, 4])[1]
+    handle.nbytes = os.path.getsize(path)
+    assert t.load(handle) is None and t.snapshot()["corrupt"] == 1
+    t.close()
+
+
+def test_load_checks_the_key_the_index_found(tier_dir):
+    """An index row whose key is off by one token (SQLite keeps no checksums)
+    must not hand the file's cache to a prompt it was never computed for."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    t.close()
+    db = sqlite3.connect(os.path.join(t.path, "index.sqlite"))
+    with db:
+        db.execute("UPDATE entries SET key = ?", (array("q", [1, 2, 4]).tobytes(),))
+    db.close()
+    t = make_tier(tier_dir)
+    covered, handle = t.find([1, 2, 4, 5])
+    assert covered == 3  # the index says [1, 2, 4]; the file holds [1, 2, 3]
+    assert t.load(handle) is None and t.snapshot()["corrupt"] == 1
+    t.close()
+
+
+def test_index_names_never_make_paths(tier_dir, tmp_path):
+    """A row whose name walks out of the folder (a damaged or planted index)
+    is dropped; the file it names is not touched."""
+    victim = tmp_path / "victim.safetensors"  # tier_dir/m1/../../victim
+    victim.write_bytes(b"someone's weights")
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    t.close()
+    db = sqlite3.connect(os.path.join(t.path, "index.sqlite"))
+    with db:
+        db.execute("INSERT INTO entries VALUES (?, ?, 2, 99, 1, 'prompt', 0, 0)",
+                   ("../../victim", array("q", [7, 8]).tobytes()))
+    db.close()
+    t = make_tier(tier_dir)
+    assert victim.read_bytes() == b"someone's weights"
+    assert t.snapshot()["entries"] == 1 and t.find([7, 8, 9]) is None
+    t.close()
+    rows = sqlite3.connect(os.path.join(t.path, "index.sqlite")).execute(
+        "SELECT name FROM entries").fetchall()
+    assert len(rows) == 1 and rows[0][0] != "../../victim"
+
+
+def test_locked_index_is_kept(tier_dir, monkeypatch):
+    """An index another process holds locked (a sqlite3 shell, a backup) is
+    not a damaged one: the tier stays off this time, and neither the index
+    nor the entries' files are deleted."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    t.close()
+    monkeypatch.setattr(DiskTier, "busy_timeout", 0.2, raising=False)
+    other = sqlite3.connect(os.path.join(t.path, "index.sqlite"), isolation_level=None)
+    other.execute("PRAGMA locking_mode=EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        locked = DiskTier(tier_dir, 1 << 30, "m1")
+        assert not locked.enabled
+        locked.close()
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert len(files(t, "*.safetensors")) == 1
+    t = make_tier(tier_dir)
+    assert t.snapshot()["entries"] == 1 and t.load(t.find([1, 2, 3, 4])[1]) is not None
+    t.close()
+
+
+RELEASE_FIFO = """
+import os, sys, time
+time.sleep(float(sys.argv[2]))
+try:  # a writer that goes at once: a reader blocked in open() gets EOF
+    os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))
+except OSError:  # no reader, or no FIFO any more
+    pass
+"""
+
+
+def test_fifo_in_place_of_a_file_is_a_miss(tier_dir):
+    """Something that is not a regular file where an entry's file was. A
+    FIFO blocks whoever opens it for reading, and mx.load holds the GIL
+    meanwhile: the whole server would stop (event loop included). Another
+    process lets a blocked open go after 3 s, so that a failure ends."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    (name,) = files(t, "*.safetensors")
+    path = os.path.join(t.path, name)
+    os.remove(path)
+    os.mkfifo(path)
+    handle = t.find([1, 2, 3, 4])[1]
+    release = subprocess.Popen([sys.executable, "-c", RELEASE_FIFO, path, "3"])
+    try:
+        start = time.monotonic()
+        assert t.load(handle) is None
+        assert time.monotonic() - start < 2, "load blocked on a FIFO"
+        assert t.snapshot()["corrupt"] == 1 and not os.path.exists(path)
+    finally:
+        release.kill()  # done already where load blocked
+        release.wait()
+    t.close()
+
+
+def test_folder_is_private(tier_dir):
+    """Entries hold prompts' token ids (and states they can be read back
+    from): the identity's folder and its files are the owner's only."""
+    old = os.umask(0o022)
+    try:
+        t = make_tier(tier_dir)
+        stored(t, [1, 2, 3], [kv(3)])
+    finally:
+        os.umask(old)
+    assert os.stat(t.path).st_mode & 0o077 == 0
+    for name in files(t):
+        assert os.stat(os.path.join(t.path, name)).st_mode & 0o077 == 0, name
+    t.close()
+
+
+def test_folder_that_is_a_link_or_another_users_is_refused(tier_dir, tmp_path, monkeypatch):
+    """An identity's folder planted as a symbolic link (into someone's model
+    folder, say) would have startup delete every *.safetensors there as a
+    file without a row; one owned by another user could feed this server
+    states. Both: no disk tier, nothing deleted."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "model.safetensors").write_bytes(b"weights")
+    os.makedirs(tier_dir)
+    os.symlink(models, os.path.join(tier_dir, "m1"))
+    t = DiskTier(tier_dir, 1 << 30, "m1")
+    assert not t.enabled
+    t.close()
+    assert (models / "model.safetensors").read_bytes() == b"weights"
+
+    t = make_tier(tier_dir, identity="m2")
+    t.close()
+    owner = os.stat(t.path).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    t = DiskTier(tier_dir, 1 << 30, "m2")
+    assert not t.enabled
+    t.close()
+
+
 # -- a full disk --
 
 
@@ -543,6 +713,35 @@ def test_queue_is_bounded(tier_dir, monkeypatch):
     assert t.flush(10)
     snap = t.snapshot()
     assert snap["writes"] == 1 and snap["entries"] == 1 and snap["queued_bytes"] == 0
+    t.close()
+
+
+def test_clear_drops_writes_queued_before_it(tier_dir, monkeypatch):
+    """DELETE /v1/cache forgets what was cached: an entry being written and
+    one waiting in the queue when it comes never land (nor come back after a
+    restart); what is put after it does."""
+    started, release = threading.Event(), threading.Event()
+    real = disk_cache._write_safetensors
+
+    def slow(*a):
+        started.set()
+        release.wait(10)
+        real(*a)
+
+    monkeypatch.setattr(disk_cache, "_write_safetensors", slow)
+    t = make_tier(tier_dir)
+    t.put([1, 2, 3], [kv(3)], "prompt")  # being written...
+    assert started.wait(10)
+    t.put([4, 5, 6], [kv(3)], "prompt")  # ...and queued
+    assert t.clear() == 0
+    t.put([7, 8, 9], [kv(3)], "prompt")  # after the clear: kept
+    release.set()
+    assert t.flush(10)
+    assert t.find([1, 2, 3, 4]) is None and t.find([4, 5, 6, 7]) is None
+    assert t.find([7, 8, 9, 1])[0] == 3 and len(files(t, "*.safetensors")) == 1
+    t.close()
+    t = make_tier(tier_dir)
+    assert t.snapshot()["entries"] == 1 and t.find([1, 2, 3, 4]) is None
     t.close()
 
 
@@ -755,3 +954,21 @@ def test_model_identity(tmp_path):
     first = model_identity(str(gguf))
     gguf.write_bytes(b"GGUF" + b"\0" * 11)
     assert model_identity(str(gguf)) != first
+
+
+def test_model_identity_follows_the_libraries(tmp_path, monkeypatch):
+    """States computed by another mlx / mlx-lm / this package (their model
+    code and kernels) are another identity's."""
+    from importlib import metadata
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    base = model_identity(str(model))
+    real = metadata.version
+    for dist in ("mlx", "mlx-lm", "mlx-lm-plus"):
+        monkeypatch.setattr(metadata, "version",
+                            lambda d, dist=dist: "0.0.1" if d == dist else real(d))
+        assert model_identity(str(model)) != base, dist
+    monkeypatch.setattr(metadata, "version", real)
+    assert model_identity(str(model)) == base

@@ -88,10 +88,10 @@ def test_budget_covers_caches_growing_in_decode(fixture_path, path):
         seen = {}
         real_insert = runner.store.insert
 
-        def insert(model, key, cache, kind="prompt"):
+        def insert(model, key, cache, kind="prompt", **kw):
             if kind == "generated" and "at_end" not in seen:
                 seen["at_end"] = first in runner.store.entries()
-            return real_insert(model, key, cache, kind)
+            return real_insert(model, key, cache, kind, **kw)
 
         runner.store.insert = insert
         body = chat("A different, long question " * 8, max_tokens=300)
