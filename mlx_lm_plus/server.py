@@ -412,6 +412,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--step-timeout and --watchdog-grace must be at least 0")
     if args.prompt_cache_bits is not None and args.kv_group_size not in (32, 64, 128):
         parser.error("--prompt-cache-bits needs a --kv-group-size of 32, 64 or 128")
+    if args.kv_bits is not None:
+        # Otherwise every request fails at its first quantization (upstream
+        # answers each with an error); MLX's own message says why.
+        import mlx.core as mx
+
+        try:
+            mx.quantize(mx.zeros((1, args.kv_group_size)), args.kv_group_size, args.kv_bits)
+        except Exception as e:
+            parser.error(f"--kv-bits {args.kv_bits} with --kv-group-size "
+                         f"{args.kv_group_size}: {e}")
     if args.prompt_cache_disk_bytes is not None and not args.prompt_cache_dir:
         parser.error("--prompt-cache-disk-bytes needs --prompt-cache-dir")
     if args.prompt_cache_dir and args.prompt_cache_disk_bytes is None:

@@ -78,6 +78,15 @@ class MRopeKVCache(KVCache):
         super().__init__()
         self.rope_delta = rope_delta
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Not quantized (--kv-bits): KVCache.to_quantized would give a
+        QuantizedKVCache without the delta, and every position after an
+        image would be wrong. The layer stays as it is."""
+        if not getattr(MRopeKVCache, "_warned", False):
+            MRopeKVCache._warned = True
+            logging.warning("--kv-bits: vision models' M-RoPE layers are not quantized")
+        return self
+
     @classmethod
     def merge(cls, caches):
         return MRopeBatchKVCache.merge(caches)

@@ -86,3 +86,11 @@ def test_launch_forms_print_help():
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "--prompt-cache-bytes" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["--kv-bits", "7"], ["--kv-bits", "4", "--kv-group-size", "48"]])
+def test_kv_bits_that_mlx_cannot_quantize_with_fail_at_startup(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "--kv-bits" in capsys.readouterr().err
+    assert parse_args(["--kv-bits", "4", "--kv-group-size", "32"]).kv_bits == 4

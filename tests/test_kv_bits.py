@@ -361,3 +361,18 @@ def test_disk_tier_resumes_batched_entries(mid, tmp_path):
     finally:
         disk.close()
         memory.close()
+
+
+def test_mrope_layers_keep_their_delta_under_kv_bits():
+    """Upstream's maybe_quantize_kv_cache (the sequential path vision models
+    take) would turn an MRopeKVCache into a QuantizedKVCache without its
+    M-RoPE delta: it stays as it is."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    from mlx_lm_plus.vision import MRopeKVCache
+
+    layer = MRopeKVCache(rope_delta=-37)
+    layer.update_and_fetch(mx.ones((1, 2, 8, 64)), mx.ones((1, 2, 8, 64)))
+    cache = [layer]
+    maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=4)
+    assert cache[0] is layer and layer.rope_delta == -37 and layer.offset == 8
