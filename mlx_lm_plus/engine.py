@@ -603,7 +603,8 @@ class Engine:
             # of the memory budget (and the tier's own cap).
             tier = DiskTier(args.prompt_cache_dir, args.prompt_cache_disk_bytes,
                             model_identity(model, adapter, extra=extra),
-                            max_queue_bytes=max(1 << 20, self.store.max_bytes // 4))
+                            max_queue_bytes=None if self.store.max_bytes is None
+                            else max(1 << 20, self.store.max_bytes // 4))
         except Exception:  # the server goes on with the memory tier alone
             logging.exception("Prompt cache on disk disabled")
             return
