@@ -33,7 +33,10 @@ share their common prefix; a pure recurrent model's entries are states.
 `fetch` joins the spans along the key into new arrays. An edge's KV is freed
 when the last entry below it goes (the branch is pruned). Every cache
 inserted for a model must have the same layer kinds in the same places (its
-`layout`); a plain KV layer must hold exactly the key's tokens.
+`layout`); a plain KV layer must hold exactly the key's tokens. Under
+--kv-bits (share_kv=False) a model's caches have two layouts (KVCache below
+--quantized-kv-start, QuantizedKVCache above), so entries hold every layer
+whole, as before the tree held KV.
 
 Limits, enforced on every insert: `max_bytes` (`nbytes`: the spans' and the
 entries' own bytes plus the index's bytes, `kv_bytes` + `index_bytes`) and
@@ -55,7 +58,9 @@ and threw away their latest entries: with six interleaved conversations in
 `max_sequences`, which counts leaves, the least recently used leaf goes. On
 models whose caches are all trimmable, a new entry makes the entries on its
 own path redundant (the longer one can be cut to any of them), so they
-are dropped.
+are dropped. A "generated" leaf that a new entry leaves inside its reply
+(the template re-rendered it, or it was regenerated) is dropped too: nothing
+will continue its tokens (_drop_abandoned_replies).
 
 Quantized storage (--prompt-cache-bits 4 or 8): the spans then hold each
 plain KV layer's keys and values `mx.quantize`d (group size --kv-group-size;
