@@ -12,6 +12,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import aiohttp
@@ -125,6 +126,15 @@ class Client:
         if record:
             self.rows.append(row)
         return row
+
+
+def print_figures(figures: Dict[str, Any], json_path: Optional[str] = None) -> None:
+    """One figure a line, names aligned; all of them as JSON to `json_path`."""
+    width = max((len(k) for k in figures), default=0)
+    for key, value in figures.items():
+        print(f"{key:<{width}}  {value}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=1))
 
 
 def session(timeout: float = 1800) -> aiohttp.ClientSession:

@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
+from benchmarks.harness import print_figures
+
 SYSTEM = (
     "You are a careful assistant for a shipping company. Answer in short, "
     "plain sentences and mention the port names you are given. " * 4
@@ -240,11 +242,7 @@ def main(argv=None):
         result["disconnect_to_removal_ms_median"] = round(statistics.median(waits), 1)
         result["disconnect_to_removal_ms_max"] = round(max(waits), 1)
     result["model"] = model
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        print(f"{key:<{width}}  {value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_figures(result, args.json)
     return result
 
 

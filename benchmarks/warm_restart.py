@@ -38,7 +38,6 @@ restarted server does), --runs processes.
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -46,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import Client, session
+from benchmarks.harness import Client, print_figures, session
 from compat.launch import OURS, ServerProcess
 
 SYSTEM_HEAD = ("You are the operations assistant of a small sea harbour. Follow the "
@@ -300,10 +299,7 @@ def main(argv=None):
             out = measure_load(args.tokens, args.runs, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        for k, v in out.items():
-            print(f"{k:<52} {v}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1))
+        print_figures(out, args.json)
         return out
     model = args.model
     if args.quick:
@@ -322,10 +318,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(work / "prompt-cache", ignore_errors=True)
     out["seconds"] = round(time.perf_counter() - tic, 1)
-    for k, v in out.items():
-        print(f"{k:<52} {v}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    print_figures(out, args.json)
     return out
 
 

@@ -27,11 +27,11 @@ so cache_creation_input_tokens is 0.
 import base64
 import binascii
 import json
-import logging
 import re
 import uuid
 from typing import Any, Dict, List, Optional
 
+from .logs import warn_once
 from .validation import RequestError, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
@@ -210,22 +210,12 @@ def _system_text(blocks, where: str, strip_billing_header: bool) -> str:
     if BILLING_HEADER.search(text):
         if strip_billing_header:
             return BILLING_HEADER.sub("", text)
-        _warn_billing_header()
-    return text
-
-
-_warned = False
-
-
-def _warn_billing_header():
-    global _warned
-    if not _warned:
-        _warned = True
-        logging.warning(
+        warn_once("billing header", (
             "A system prompt starts with Claude Code's x-anthropic-billing-header, which "
             "changes with every request: the prompt cache can't reuse anything. Start the "
             "server with --strip-billing-header, or run Claude Code with "
-            "CLAUDE_CODE_ATTRIBUTION_HEADER=0.")
+            "CLAUDE_CODE_ATTRIBUTION_HEADER=0."))
+    return text
 
 
 def to_messages(body: dict, strip_billing_header: bool = False) -> List[dict]:

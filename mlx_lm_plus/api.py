@@ -29,6 +29,7 @@ from .constraints import (
     ll_tokenizer,
 )
 from .engine import Channel, EngineUnavailable, InternalError, PromptError
+from .logs import warn_once
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
 from .validation import RequestError, parse_request
@@ -409,7 +410,7 @@ class Server:
         except ConstraintUnavailable as e:
             if not isinstance(constraint, StrictToolCalls):
                 raise RequestError(str(e)) from e
-            _log_once(f"strict tools served unconstrained: {e}")
+            warn_once(f"strict tools served unconstrained: {e}")
         except ConstraintError as e:
             raise RequestError(str(e)) from e
 
@@ -796,15 +797,6 @@ class _Tracker:
             elif r.status != 200:
                 r.finish_reason = "error"
         return r
-
-
-_logged = set()
-
-
-def _log_once(message: str):
-    if message not in _logged:
-        _logged.add(message)
-        logging.warning(message)
 
 
 def _compile_constraint(constraint, tokenizer):

@@ -87,6 +87,7 @@ import xxhash
 from mlx_lm.models.cache import QuantizedKVCache, can_trim_prompt_cache
 
 from .cache import _TOKENS, _matching, compact, descend
+from .logs import warn_once
 
 # Part of every identity: a change of the file format starts a new folder.
 # 2: the checksum covers the whole file (header and metadata too).
@@ -503,7 +504,6 @@ class DiskTier:
         self._full_until = 0.0
         self._stopping = False
         self._epoch = 0  # clears so far: a write queued before one is dropped
-        self._warned: set = set()
         self.stats = dict.fromkeys(
             ("hits", "misses", "writes", "write_errors", "dropped_writes",
              "corrupt", "evictions", "unsupported"), 0)
@@ -825,7 +825,7 @@ class DiskTier:
         except Exception as e:
             with self._lock:
                 self.stats["unsupported"] += 1
-            self._warn_once("unsupported", f"Prompt cache on disk: not storing "
+            warn_once((self.path, "unsupported"), f"Prompt cache on disk: not storing "
                             f"this model's caches: {e}")
             return
         tensors = {f"a{i}": v for i, v in enumerate(views[:-1])}
@@ -925,7 +925,7 @@ class DiskTier:
                     self._write(job)
                 self._sync_index()
             except Exception as e:  # nothing may end the writer
-                self._warn_once("writer", f"Prompt cache on disk: writer error: {e!r}")
+                warn_once((self.path, "writer"), f"Prompt cache on disk: writer error: {e!r}")
             finally:
                 if job is not None:
                     with self._idle:
@@ -1015,11 +1015,6 @@ class DiskTier:
                                  [(t, n) for n, t in touched.items()])
             self._db.executemany("DELETE FROM entries WHERE name = ?",
                                  [(n,) for n in deleted])
-
-    def _warn_once(self, what: str, message: str):
-        if what not in self._warned:
-            self._warned.add(what)
-            logging.warning(message)
 
 
 def _unlink(path: str):

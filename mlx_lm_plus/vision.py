@@ -41,6 +41,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .logs import warn_once
+
 # The families whose M-RoPE and feature merge this module handles.
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 # Hybrid ones, served by mlx-lm's language model on mlx-vlm's weights.
@@ -82,9 +84,7 @@ class MRopeKVCache(KVCache):
         """Not quantized (--kv-bits): KVCache.to_quantized would give a
         QuantizedKVCache without the delta, and every position after an
         image would be wrong. The layer stays as it is."""
-        if not getattr(MRopeKVCache, "_warned", False):
-            MRopeKVCache._warned = True
-            logging.warning("--kv-bits: vision models' M-RoPE layers are not quantized")
+        warn_once("--kv-bits: vision models' M-RoPE layers are not quantized")
         return self
 
     @classmethod
