@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import add_model_args, fixture_or_model, median, session
+from benchmarks.harness import add_model_args, fixture_or_model, median, session, window_rate
 from benchmarks.workloads import (
+    ADMISSION_STEP,
     OVERHEAD_TOKENS,
     VISION_WORKLOADS,
     WORKLOADS,
@@ -50,32 +51,41 @@ def resolve_model(args, work: Path) -> str:
 
 
 def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):
-    """tok/s of a bare BatchGenerator loop on the overhead prompts (loaded once)."""
+    """A bare BatchGenerator loop on the overhead prompts (loaded once): a
+    function of the batch size giving (end-to-end tok/s, decode tok/s), where
+    decode is each row's tokens after its first over the time from its first
+    token to its last, summed over the rows (as the overhead workload counts
+    a server's streams)."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = load(model_path)
 
-    def tps(size: int) -> float:
+    def tps(size: int):
         prompts = [tokenizer.apply_chat_template(overhead_messages(i), add_generation_prompt=True)
                    for i in range(size)]
         generator = BatchGenerator(model)
         generator.insert(prompts[:1], max_tokens=[4])  # warm-up
         while any(generator.next()):
             pass
-        rates = []
+        e2e, decode = [], []
         for _ in range(3):  # the median of three: single runs scatter here
             start = time.perf_counter()
             generator.insert(prompts, max_tokens=[max_tokens] * size)
-            tokens = 0
+            tokens, arrivals = 0, {}
             while True:
                 prompt_responses, gen_responses = generator.next()
                 if not prompt_responses and not gen_responses:
                     break
+                now = time.perf_counter()
                 tokens += len(gen_responses)
-            rates.append(tokens / (time.perf_counter() - start))
+                for r in gen_responses:
+                    arrivals.setdefault(r.uid, []).append(now)
+            e2e.append(tokens / (time.perf_counter() - start))
+            decode.append(window_rate(list(arrivals.values()),
+                                      [len(a) for a in arrivals.values()]))
         generator.close()
-        return median(rates)
+        return median(e2e), median(decode)
 
     return tps
 
@@ -84,6 +94,8 @@ def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
     extra = []
     if name == "memory":
         extra = ["--prompt-cache-bytes", str(args.memory_budget)]
+    elif name == "admission":
+        extra = ["--prefill-step-size", str(ADMISSION_STEP)]
     with ServerProcess(command, ["--model", model, *extra], log=log) as server:
         async def drive():
             async with session() as http:

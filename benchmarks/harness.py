@@ -43,8 +43,12 @@ class Row:
     novel: int
     ttft: Optional[float]  # streamed requests only
     total: float
+    # Streamed: when the last text arrived (decode rate: tokens after the
+    # first over last - ttft), and when each text chunk did (perf_counter).
+    last: Optional[float]
     output_tokens: int
     text: str
+    arrivals: List[float] = field(default_factory=list)
 
 
 async def stream_events(response):
@@ -87,7 +91,7 @@ class Client:
         else:
             body.update(logprobs=True)
         start = time.perf_counter()
-        first, parts, usage, ids = None, [], None, None
+        first, last, parts, usage, ids, arrivals = None, None, [], None, None, []
         async with session.post(self.url + "/v1/chat/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"{r.status}: {await r.text()}")
@@ -104,8 +108,10 @@ class Client:
                     for choice in event.get("choices", []):
                         piece = delta_text(choice)
                         if piece:
+                            arrivals.append(time.perf_counter())
+                            last = arrivals[-1] - start
                             if first is None:
-                                first = time.perf_counter() - start
+                                first = last
                             parts.append(piece)
         total = time.perf_counter() - start
         text = "".join(parts)
@@ -120,6 +126,8 @@ class Client:
             novel=len(prompt_ids) - reusable,
             ttft=first,
             total=total,
+            last=last,
+            arrivals=arrivals,
             output_tokens=usage["completion_tokens"] if usage else len(ids),
             text=text,
         )
@@ -142,6 +150,24 @@ def session(timeout: float = 1800) -> aiohttp.ClientSession:
         timeout=aiohttp.ClientTimeout(total=timeout),
         connector=aiohttp.TCPConnector(limit=0),
     )
+
+
+def window_rate(arrivals: List[List[float]], tokens: List[int]) -> Optional[float]:
+    """Decode tok/s of concurrent streams while all of them decode: the tokens
+    that arrived between the last stream's first token and the first
+    stream's last, over that time (a stream's `arrivals` are when its
+    tokens, or its text chunks, came; `tokens` its token count). One stream:
+    its tokens after the first over its first-to-last time."""
+    pairs = [(a, n) for a, n in zip(arrivals, tokens) if len(a) > 1]
+    if not pairs:
+        return None
+    arrivals, tokens = [a for a, _ in pairs], [n for _, n in pairs]
+    start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+    if end <= start:
+        return None
+    per_arrival = [n / len(a) for a, n in zip(arrivals, tokens)]
+    inside = sum(sum(start < t <= end for t in a) * k for a, k in zip(arrivals, per_arrival))
+    return inside / (end - start)
 
 
 def reuse_ratio(rows: List[Row]) -> Optional[float]:

@@ -7,12 +7,24 @@ block the template drops).
 """
 
 import asyncio
+import math
+import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from benchmarks.cache_reuse import SYSTEM, _reply, _user
-from benchmarks.harness import Client, get_json, median, percentile, reuse_ratio
+from benchmarks.harness import (
+    Client,
+    delta_text,
+    get_json,
+    median,
+    percentile,
+    reuse_ratio,
+    stream_events,
+    window_rate,
+)
 
 
 @dataclass
@@ -126,6 +138,31 @@ async def memory(run: Run) -> Dict[str, Any]:
     return figures
 
 
+async def thread_counters(run: Run) -> Optional[Dict[str, float]]:
+    """Our server's generation-thread counters (/v1/stats), None elsewhere."""
+    stats = await get_json(run.http, run.url, "/v1/stats")
+    engine = (stats or {}).get("engine") or {}
+    if "thread_seconds" not in engine:
+        return None
+    return {**engine["thread_seconds"], "requests": engine["admitted_requests"],
+            "tokens": engine["generated_tokens"]}
+
+
+def thread_figures(before, after, prefix: str) -> Dict[str, Any]:
+    """Where the generation thread's time went between two readings: outside
+    model steps per generated token, and admitting per request (ms)."""
+    if before is None or after is None:
+        return {f"{prefix}gen. thread outside model, per token (ms)": None,
+                f"{prefix}gen. thread admission, per request (ms)": None}
+    d = {k: after[k] - before[k] for k in after}
+    return {
+        f"{prefix}gen. thread outside model, per token (ms)":
+            1000 * d["outside_model"] / d["tokens"] if d["tokens"] else None,
+        f"{prefix}gen. thread admission, per request (ms)":
+            1000 * d["admission"] / d["requests"] if d["requests"] else None,
+    }
+
+
 def burst_messages(i: int):
     return [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": _user(i, 0, " and more" * (i % 5) * 4)}]
@@ -143,6 +180,7 @@ async def burst(run: Run) -> Dict[str, Any]:
     figures, mismatches = {}, 0
     for size in sizes:
         tps, ttfts = [], []
+        before = await thread_counters(run)
         for _ in range(rounds):
             client = run.client()
             start = time.perf_counter()
@@ -155,6 +193,7 @@ async def burst(run: Run) -> Dict[str, Any]:
         figures[f"{size} clients: output tok/s"] = median(tps)
         figures[f"{size} clients: ttft p50 (s)"] = percentile(ttfts, 0.5)
         figures[f"{size} clients: ttft p99 (s)"] = percentile(ttfts, 0.99)
+        figures.update(thread_figures(before, await thread_counters(run), f"{size} clients: "))
     figures["replies differing from the request alone"] = mismatches
     return figures
 
@@ -164,25 +203,179 @@ def overhead_messages(i: int, salt: str = ""):
     return [{"role": "user", "content": f"Overhead probe {salt}{i}: tell a story."}]
 
 
-OVERHEAD_TOKENS = 64
+OVERHEAD_TOKENS = 128
+
+
+def decode_rate(rows) -> Optional[float]:
+    """Decode tok/s of concurrent streams while all of them decode
+    (harness.window_rate; admission and prefill are in end-to-end)."""
+    return window_rate([r.arrivals for r in rows], [r.output_tokens for r in rows])
 
 
 async def overhead(run: Run) -> Dict[str, Any]:
     """Output tok/s through the server over a bare BatchGenerator loop on the
-    same prompts (in the benchmark's process): what HTTP and streaming cost."""
+    same prompts (in the benchmark's process): what HTTP and streaming cost.
+    Decode: from each stream's first token to its last; end to end: from the
+    requests sent to the last token (admission and prefill included)."""
     figures = {}
     client = run.client(OVERHEAD_TOKENS)
     await client.chat(run.http, overhead_messages(0, "warm-up "), stream=True, record=False)
     for size in ((1, 4) if run.smoke else (1, 8)):
+        before = await thread_counters(run)
         start = time.perf_counter()
         rows = await asyncio.gather(*(client.chat(run.http, overhead_messages(i), stream=True)
                                       for i in range(size)))
         served = sum(r.output_tokens for r in rows) / (time.perf_counter() - start)
-        bare = run.bare(size)
-        figures[f"batch {size}: server tok/s"] = served
-        figures[f"batch {size}: bare BatchGenerator tok/s"] = bare
-        figures[f"batch {size}: server / bare"] = served / bare
+        figures.update(thread_figures(before, await thread_counters(run), f"batch {size}: "))
+        bare, bare_decode = run.bare(size)
+        decode = decode_rate(rows)
+        figures[f"batch {size}: decode tok/s"] = decode
+        figures[f"batch {size}: bare decode tok/s"] = bare_decode
+        figures[f"batch {size}: decode / bare"] = (
+            decode / bare_decode if decode and bare_decode else None)
+        figures[f"batch {size}: end-to-end tok/s"] = served
+        figures[f"batch {size}: bare end-to-end tok/s"] = bare
+        figures[f"batch {size}: end-to-end / bare"] = served / bare
     return figures
+
+
+# The admission workload: a long prompt admitted while a stream runs.
+ADMISSION_STEP = 256  # --prefill-step-size of both servers (set by the runner)
+_SUBJECTS = ("The harbour master", "A tired botanist", "Our night courier", "The old ferry",
+             "A careful auditor", "The village choir", "Every glacier", "The lighthouse keeper",
+             "A wandering cartographer", "The copper kettle", "Some quiet engineers",
+             "The northern orchard")
+_VERBS = ("counted", "repainted", "forgot", "measured", "carried", "described", "ignored",
+          "rebuilt", "sorted", "borrowed", "weighed", "followed")
+_OBJECTS = ("the salt ledgers", "seven brass lanterns", "a map of the marshes",
+            "the winter timetable", "four crates of pears", "the broken telescope",
+            "a letter from the mayor", "the eastern tide tables", "two hundred bricks",
+            "the harvest songs", "a coil of tarred rope", "the signal flags")
+
+
+def long_messages(tokenizer, target: int, salt: str):
+    """A chat prompt of about `target` tokens (chat template included) of
+    varied sentences, seeded by `salt` and opening with it (so that prompts of
+    different salts share no prefix a cache could reuse). Returns the
+    messages and their token count."""
+    rng = random.Random(salt)
+
+    def sentence():
+        return (f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
+                f"{rng.randint(2, 999)} times near mile {rng.randint(1, 99)}.")
+
+    def build(parts):
+        return [{"role": "user", "content": f"Log {salt}. " + " ".join(parts)
+                 + " Summarise the log."}]
+
+    def count(parts):
+        return len(tokenizer.apply_chat_template(build(parts), add_generation_prompt=True))
+
+    parts = [sentence() for _ in range(20)]
+    n = count(parts)
+    while n < target:  # grow by an estimate, then recount (a few passes)
+        per = max(1.0, (n - count([])) / len(parts))
+        parts += [sentence() for _ in range(max(1, int((target - n) / per * 0.9)))]
+        n = count(parts)
+    return build(parts), n
+
+
+async def _admission_stream(run, body, times, first_event=None, usage=None):
+    """Stream one chat completion, appending the arrival time of every event
+    that carries text to `times` (and setting `first_event` at the first);
+    comments (keepalives) are ignored. Returns the text."""
+    parts = []
+    async with run.http.post(run.url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {await r.text()}")
+        async for event in stream_events(r):
+            if event.get("usage") and usage is not None:
+                usage.update(event["usage"])
+            for choice in event.get("choices", []):
+                piece = delta_text(choice)
+                if piece:
+                    times.append(time.perf_counter())
+                    parts.append(piece)
+                    if first_event is not None:
+                        first_event.set()
+    return "".join(parts)
+
+
+def _chat_body(messages, max_tokens):
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def admission(run: Run) -> Dict[str, Any]:
+    """How long a running stream stalls while a long prompt is admitted
+    (both servers with --prefill-step-size 256, set by the runner).
+
+    Stream A (greedy, long) runs; ~0.5 s into it, request B (a ~8,000-token
+    prompt no cache holds, 8 tokens) is sent. Figures: A's median gap between
+    tokens before B; A's largest gap between B's send and B's first token
+    (the stall), and its ratio to the median; B's time to first token; and
+    one prefill chunk's time estimated as B's TTFT over its chunks."""
+    target, a_tokens = (2000, 1000) if run.smoke else (8000, 3000)
+    salt = f"{os.getpid()}-{time.time_ns()}"
+    warm_long, _ = long_messages(run.tokenizer, target, f"warm-up {salt}")
+    b_messages, b_prompt = long_messages(run.tokenizer, target, f"admit {salt}")
+    a_messages = [{"role": "user", "content": f"Stream {salt}: tell a very long story."}]
+    # A writes one word over and over (logit_bias): every token is a text
+    # event, so a gap between events is a gap between tokens (a random
+    # model's tokens are often partial characters, which send nothing).
+    word = run.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    a_body = {**_chat_body(a_messages, a_tokens), "logit_bias": {str(word): 100}}
+
+    # Warm-up: a short stream, then a long prompt (its shapes compiled too).
+    await _admission_stream(run, _chat_body(overhead_messages(0, "warm-up "), 16), [])
+    await _admission_stream(run, _chat_body(warm_long, 4), [])
+
+    a_times, b_times, b_usage = [], [], {}
+    started = asyncio.Event()
+    a_task = asyncio.create_task(
+        _admission_stream(run, a_body, a_times, started))
+    try:
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(0.5)
+        if a_task.done():
+            a_task.result()  # raises the stream's error
+            raise RuntimeError(f"stream A ended before B was sent ({len(a_times)} tokens)")
+        b_sent = time.perf_counter()
+        await _admission_stream(run, _chat_body(b_messages, 8), b_times, usage=b_usage)
+        if not b_times:
+            raise RuntimeError("request B streamed no text")
+        b_first = b_times[0]
+        a_outlasted = not a_task.done()
+    finally:
+        a_task.cancel()  # A has served its purpose: the connection is closed
+        try:
+            await a_task
+        except (asyncio.CancelledError, Exception):
+            pass
+
+    before = [t for t in a_times if t <= b_sent]
+    gaps_before = [b - a for a, b in zip(before, before[1:])]
+    # Gaps of A overlapping [b_sent, b_first] (the one straddling b_sent included).
+    during = [b - a for a, b in zip(a_times, a_times[1:]) if b > b_sent and a < b_first]
+    if not a_outlasted and a_times and a_times[-1] < b_first:
+        during.append(b_first - a_times[-1])  # A ended first: its stall lasted until then
+    median_gap = median(gaps_before)
+    stall = max(during) if during else b_first - b_sent
+    ttft = b_first - b_sent
+    prompt = b_usage.get("prompt_tokens") or b_prompt
+    chunks = math.ceil(prompt / ADMISSION_STEP)
+    return {
+        "B prompt tokens": prompt,
+        "A median gap before B (s)": median_gap,
+        "A largest gap during B's admission (s)": stall,
+        "stall / A median gap": stall / median_gap if median_gap else None,
+        # ~1: every gap is one chunk (and a step); 2: a token skipped a chunk.
+        "stall / A median gap during B's admission": stall / median(during) if during else None,
+        "A tokens during B's admission": sum(1 for t in a_times if b_sent < t < b_first),
+        "B ttft (s)": ttft,
+        "prefill chunk time, est. (s)": ttft / chunks,
+        "A outlasted B's admission": int(a_outlasted),
+    }
 
 
 def picture(size=(224, 224)) -> str:
@@ -249,6 +442,7 @@ WORKLOADS = {
     "overhead": overhead,
     "memory": memory,
     "vision": vision,
+    "admission": admission,
 }
 # Workloads that need a model with vision (run only on such a model).
 VISION_WORKLOADS = ("vision",)

@@ -7,6 +7,8 @@ channel, and the engine drops the request at its next step.
 """
 
 import asyncio
+import collections
+import concurrent.futures
 import hmac
 import ipaddress
 import json
@@ -47,24 +49,66 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 # compressed one gets a 415 (Server._read_body) instead of a bomb, a parser's
 # text 400, or a half-sent stream that never ends.
 RUNNER_OPTIONS = {"auto_decompress": False}
+# Bodies larger than this are decoded and parsed in an executor.
+LARGE_BODY_BYTES = 256 << 10
 
 
 class AsyncChannel(Channel):
-    """Thread-safe hand-off from the generation thread to one handler."""
+    """Thread-safe hand-off from the generation thread to one handler.
+
+    Events wait in a deque; the handler awaits one future at a time. The
+    engine hands over a whole step's events for all channels with one
+    `call_soon_threadsafe` (`put_all`), so a step of a batch of 8 wakes the
+    event loop once, not 8 times.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
 
     def put(self, item):
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._append, item)
         except RuntimeError:
             # The loop is closed: the server is shutting down.
             self.cancel()
 
+    @staticmethod
+    def put_all(events):
+        by_loop = {}
+        for channel, event in events:
+            by_loop.setdefault(channel._loop, []).append((channel, event))
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_append_all, group)
+            except RuntimeError:
+                for channel, _ in group:
+                    channel.cancel()
+
+    def _append(self, item):
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def get(self):
-        return await self._queue.get()
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def ready(self) -> bool:
+        """Whether `get` would return at once."""
+        return bool(self._items)
+
+
+def _append_all(events):
+    for channel, event in events:
+        channel._append(event)
 
 
 class Server:
@@ -80,6 +124,12 @@ class Server:
         self.in_flight = 0
         self.metrics = metrics
         self._decoding = asyncio.Semaphore(2)
+        # Prompts are planned here (templates, tokenizing, a constraint's
+        # matcher), one at a time, off the event loop and the generation
+        # thread.
+        self._planner = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="mlx_lm_plus-planning")
+        self._vocab = (None, None)  # (model key, vocabulary size)
         # Wire protocols beyond chat completions, by the paths they serve.
         self.protocols: List[WireProtocol] = []
 
@@ -223,13 +273,20 @@ class Server:
                 return await self.handle_models(request)
             if request.path == "/health":
                 return self.handle_health(request)
+            # The store's lock is the generation thread's too (an insert
+            # holds it): snapshots are taken in an executor, never on the loop.
+            loop = asyncio.get_running_loop()
             if request.path == "/v1/cache/stats":
-                return self.json_response(request, self.engine.store.snapshot())
+                return self.json_response(
+                    request, await loop.run_in_executor(None, self.engine.store.snapshot))
             if request.path == "/v1/stats":
-                return self.json_response(request, self.stats(request.query))
+                cache = await loop.run_in_executor(None, self.cache_stats)
+                return self.json_response(request, self.stats(request.query, cache))
             if request.path == "/metrics" and self.metrics is not None:
+                # (Its collector reads the store, whose lock is the
+                # generation thread's too.)
                 return web.Response(
-                    body=self.metrics.exposition(),
+                    body=await loop.run_in_executor(None, self.metrics.exposition),
                     headers={"Content-Type": self.metrics.content_type,
                              **self.cors_headers(request)},
                 )
@@ -261,11 +318,20 @@ class Server:
             503,
         )
 
-    def stats(self, query=None) -> dict:
+    def cache_stats(self) -> dict:
+        """The store's part of /v1/stats (off the loop: the store's lock is
+        the generation thread's too)."""
+        out = {"cache": self.engine.store.snapshot()}
+        if self.metrics is not None:
+            out["entries"] = cache_entries(self.engine.store)
+        return out
+
+    def stats(self, query=None, cache=None) -> dict:
         """/v1/stats: engine, memory and cache now; with metrics on, the
         recent requests (`?since=T`: only those ended after T, `?limit=N`),
-        the time series and the cache entries."""
+        the time series and the cache entries. `cache`: cache_stats()."""
         query = query or {}
+        cache = cache or self.cache_stats()
         engine = self.engine
         stats = {
             "engine": {
@@ -275,10 +341,16 @@ class Server:
                 "active_requests": engine.active_requests,
                 "queued_requests": engine.requests.qsize(),
                 "vision": engine.vision_stats(),
+                # The generation thread's time: in model steps, admitting
+                # requests, and the rest (see Engine.thread_seconds).
+                "thread_seconds": {k: round(v, 6) for k, v in
+                                   getattr(engine, "thread_seconds", {}).items()},
+                "admitted_requests": getattr(engine, "admitted", None),
+                "generated_tokens": getattr(engine, "tokens_out", None),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
             "memory": engine.memory(),
-            "cache": engine.store.snapshot(),
+            "cache": cache["cache"],
         }
         if self.metrics is not None:
             try:
@@ -287,7 +359,7 @@ class Server:
             except ValueError:
                 limit, since = 1000, 0.0
             stats.update(self.metrics.stats(limit=limit, since=since))
-            stats["entries"] = cache_entries(engine.store)
+            stats["entries"] = cache["entries"]
         return stats
 
     async def handle_models(self, request):
@@ -350,16 +422,9 @@ class Server:
             raise too_large from None
         except (web.HTTPException, web.RequestPayloadError) as e:
             raise RequestError(f"Could not read the request body: {e}", 400) from e
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError as e:
-            raise RequestError(f"Request body is not valid UTF-8: {e}") from e
-        try:
-            return json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise RequestError(f"Invalid JSON in request body: {e}") from e
-        except ValueError as e:  # an integer of more than 4300 digits
-            raise RequestError(f"Invalid JSON in request body: {e}") from e
+        if len(raw) > LARGE_BODY_BYTES:  # ~10 ms a MB: not on the loop
+            return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
+        return _parse_body(raw)
 
     async def _decode_images(self, req):
         """Decode, scale down and fingerprint a request's images in an
@@ -414,7 +479,35 @@ class Server:
         except ConstraintError as e:
             raise RequestError(str(e)) from e
 
+    async def _plan(self, parsed):
+        """Plan the prompt on the planning thread before the request is queued,
+        so the generation thread only looks it up (Engine.plan; None: the
+        engine plans it at admission). A bad prompt is the client's 400."""
+        plan = getattr(self.engine, "plan", None)
+        if plan is None or parsed.request.count_only:
+            return
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._planner, plan, parsed.request, parsed.args)
+        # A plan stuck for good (the watchdog then takes the engine down):
+        # the requests waiting for the planning thread get a 503 too.
+        while not (await asyncio.wait({future}, timeout=1.0))[0]:
+            if not self.engine.is_healthy:
+                raise EngineUnavailable(
+                    f"Generation engine unavailable: {self.engine.unhealthy_reason}")
+        try:
+            parsed.request.planned = future.result()
+        except PromptError as e:
+            raise RequestError(str(e)) from e
+        except Exception:  # the engine plans it again, and answers
+            logging.exception("Planning a prompt failed")
+
     def _vocab_size(self):
+        """The larger of the model's and the tokenizer's vocabulary sizes (for
+        logit_bias validation), read once per loaded model: a fast tokenizer
+        builds its whole vocabulary dict on each `vocab`."""
+        key = getattr(self.model_provider, "model_key", None)
+        if self._vocab[0] == key and key is not None:
+            return self._vocab[1]
         tokenizer = self.model_provider.tokenizer
         model = self.model_provider.model
         sizes = []
@@ -423,7 +516,12 @@ class Server:
         if tokenizer is not None:
             sizes.append(len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None)
         sizes = [s for s in sizes if isinstance(s, int)]
-        return max(sizes) if sizes else None
+        size = max(sizes) if sizes else None
+        # (Kept only once the load is complete: a load sets the key first.)
+        if (size is not None and model is not None and tokenizer is not None
+                and getattr(self.model_provider, "model_key", None) == key):
+            self._vocab = (key, size)
+        return size
 
     async def handle_completion(self, request: web.Request,
                                 protocol: Optional[WireProtocol] = None):
@@ -488,6 +586,12 @@ class Server:
                 "(start it with --allow-model-loading to load others).",
                 404,
             )
+        try:
+            await self._plan(parsed)
+        except RequestError as e:
+            return self.error(request, str(e), e.status)
+        except EngineUnavailable as e:
+            return self.unavailable(request, str(e))
 
         exchange = builder = None
         if protocol is not None:
@@ -592,14 +696,18 @@ class Server:
         if parsed.stream:
             response = opened or await self._open_stream(request)
             await response.write(exchange.start(len(ctx.prompt), ctx.prompt_cache_count or 0))
+        pending = []  # frames that arrived together go out in one write
         try:
             while True:
+                if pending and not channel.ready():
+                    await response.write(b"".join(pending))
+                    pending.clear()
                 item = await channel.get()
                 if item is None:
                     break
                 if isinstance(item, tuple):
                     if response is not None:
-                        await response.write(f": keepalive {item[0]}/{item[1]}\n\n".encode())
+                        pending.append(f": keepalive {item[0]}/{item[1]}\n\n".encode())
                     continue
                 if isinstance(item, Exception):
                     status = 503 if isinstance(item, EngineUnavailable) else 500
@@ -609,14 +717,23 @@ class Server:
                         return self.error(request, str(item), status)
                     logging.error(f"Generation failed mid-stream: {item}")
                     track.error = str(item)
-                    await response.write(exchange.stream_error(str(item), status))
+                    pending.append(exchange.stream_error(str(item), status))
+                    await response.write(b"".join(pending))
                     return response
                 if track.first is None:
                     track.first = time.perf_counter()
-                if assembler.add(item):
-                    frames = exchange.delta(*assembler.take_delta())
-                    if response is not None and frames:
-                        await response.write(frames)
+                try:
+                    if assembler.add(item):
+                        frames = exchange.delta(*assembler.take_delta())
+                        if response is not None and frames:
+                            pending.append(frames)
+                except Exception:
+                    if pending:  # what came before the failure still goes out
+                        await response.write(b"".join(pending))
+                    raise
+            if pending:
+                await response.write(b"".join(pending))
+                pending.clear()
             assembler.finish()
             frames = exchange.delta(*assembler.take_delta())
             completion = Completion(
@@ -686,7 +803,7 @@ class Server:
         response = response or await self._open_stream(request)
 
         async def send(obj):
-            await response.write(f"data: {json.dumps(obj)}\n\n".encode())
+            await response.write(_sse(obj))
 
         async def fail(error):
             # Headers are gone: report in the stream, then end it.
@@ -707,36 +824,68 @@ class Server:
 
     async def _stream_events(self, response, send, fail, channel, ctx, assembler, builder,
                              parsed, track):
+        # Events that arrived together (a step's, or while the socket was
+        # busy) go out in one write.
+        pending = []
         while True:
+            if pending and not channel.ready():
+                await response.write(b"".join(pending))
+                pending.clear()
             item = await channel.get()
             if item is None:
                 break
             if isinstance(item, Exception):
+                if pending:
+                    await response.write(b"".join(pending))
                 return await fail(item)
             if isinstance(item, tuple):
                 done, total = item
-                await response.write(f": keepalive {done}/{total}\n\n".encode())
+                pending.append(f": keepalive {done}/{total}\n\n".encode())
                 continue
             if track.first is None:
                 track.first = time.perf_counter()
-            if assembler.add(item):
-                text, tool_calls, reasoning = assembler.take_delta()
-                await send(builder.response(text, None, tool_calls=tool_calls,
-                                            reasoning_text=reasoning))
+            try:
+                if assembler.add(item):
+                    text, tool_calls, reasoning = assembler.take_delta()
+                    if text and not tool_calls and not reasoning:  # most tokens
+                        pending.append(builder.text_chunk(text))
+                    else:
+                        pending.append(_sse(builder.response(
+                            text, None, tool_calls=tool_calls, reasoning_text=reasoning)))
+            except Exception:
+                if pending:  # what came before the failure still goes out
+                    await response.write(b"".join(pending))
+                raise
 
         assembler.finish()
         text, tool_calls, reasoning = assembler.take_delta()
-        await send(builder.response(text, assembler.finish_reason,
-                                    tool_calls=tool_calls, reasoning_text=reasoning))
+        pending.append(_sse(builder.response(text, assembler.finish_reason,
+                                             tool_calls=tool_calls, reasoning_text=reasoning)))
         options = parsed.stream_options
         if options is not None and options.get("include_usage"):
-            await send(
-                builder.usage_response(
-                    len(ctx.prompt), len(assembler.tokens), ctx.prompt_cache_count
-                )
-            )
-        await response.write(b"data: [DONE]\n\n")
+            pending.append(_sse(builder.usage_response(
+                len(ctx.prompt), len(assembler.tokens), ctx.prompt_cache_count)))
+        pending.append(b"data: [DONE]\n\n")
+        await response.write(b"".join(pending))
         return response
+
+
+def _parse_body(raw: bytes):
+    """A request body's JSON (RequestError 400 if it is not)."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise RequestError(f"Request body is not valid UTF-8: {e}") from e
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise RequestError(f"Invalid JSON in request body: {e}") from e
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise RequestError(f"Invalid JSON in request body: {e}") from e
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 async def inline_remote_images(req, cli_args) -> None:
@@ -849,9 +998,13 @@ def make_app(server: Server) -> web.Application:
 def _sample_every_second(metrics: Metrics):
     async def sampler(app):
         async def loop():
+            running = asyncio.get_running_loop()
             while True:
                 try:
-                    metrics.sample()
+                    # The store's snapshot off the loop (its lock is the
+                    # generation thread's too); the point is added on it.
+                    cache = await running.run_in_executor(None, metrics.engine.store.snapshot)
+                    metrics.sample(cache)
                 except Exception:
                     logging.exception("Metrics sample failed")
                 await asyncio.sleep(1.0)

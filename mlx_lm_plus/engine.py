@@ -27,6 +27,7 @@ BatchGenerator; the others are served one at a time by `_serve_single` with
 """
 
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -35,6 +36,7 @@ import pickle
 import time
 from queue import Empty, Queue
 from threading import Thread
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -59,11 +61,16 @@ from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, cache_nbytes, is_plain_kv
 from .constraints import ConstraintError, processor_for
-from .prompt import build_prompt, split_at, template_kwargs
+from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
+# What Engine._prepare returns for a request _Batch.park held back.
+PARKED = object()
+# A request waits for another one in the batch to store a checkpoint it shares
+# (its system prompt, say) when that saves it at least this many tokens.
+PARK_MIN_TOKENS = 32
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
@@ -87,6 +94,12 @@ class Channel:
     def put(self, item):
         pass
 
+    @staticmethod
+    def put_all(events):
+        """Put each (channel, event) pair (of this class), in order."""
+        for channel, event in events:
+            channel.put(event)
+
     def cancel(self):
         if not self.cancelled:
             self.cancelled_at = time.monotonic()
@@ -96,6 +109,16 @@ class Channel:
         """The engine dropped this cancelled request (disconnect latency)."""
         if self.removed_at is None:
             self.removed_at = time.monotonic()
+
+
+def deliver(events):
+    """Put (channel, event) pairs, in order, with one `put_all` per channel
+    class (the HTTP side's makes it one hand-off to the event loop)."""
+    groups = {}
+    for channel, event in events:
+        groups.setdefault(type(channel).put_all, []).append((channel, event))
+    for put_all, group in groups.items():
+        put_all(group)
 
 
 class _Cancelled(Exception):
@@ -120,6 +143,34 @@ class OutOfMemory(EngineUnavailable):
 
 class InternalError(RuntimeError):
     """Something failed that is not the client's fault (500)."""
+
+
+@dataclass
+class Planned:
+    """A request planned off the generation thread (`Engine.plan`, run by the
+    HTTP layer's planning thread): its prompt plan and its constraint's
+    logits processor, for the model it was planned with. The generation
+    thread uses it as it is when that model is the one it runs."""
+
+    model_key: Any
+    plan: PromptPlan
+    constraint: Any = None  # a constraints.ConstraintProcessor, or None
+
+
+@dataclass
+class Admission:
+    """A request ready to join a batch: everything `_Batch.insert` needs."""
+
+    channel: Any
+    args: Any
+    plan: PromptPlan
+    ctx: Any  # GenerationContext
+    stop_sequences: Any
+    cache: Optional[List[Any]]  # from the store (None: a fresh cache)
+    cached: int  # prompt tokens the cache covers
+    segments: List[List[int]]  # the rest of the prompt, split at checkpoints
+    segment_types: List[str]
+    constraint: Any
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -174,6 +225,15 @@ class Engine:
         self._current = None
         self._clear_buffers = False
         self.steps = 0  # generation steps run, for disconnect measurements
+        # Where the generation thread's time goes, in seconds (/v1/stats, the
+        # benchmarks): "model" in model steps (BatchGenerator.next, which
+        # samples too), "admission" admitting requests (a plan made here
+        # when it could not be made before, the store lookup, images through
+        # the vision tower), "outside_model" the rest of each step (tokens to
+        # their requests, stores at checkpoints and at a request's end).
+        self.thread_seconds = {"model": 0.0, "admission": 0.0, "outside_model": 0.0}
+        self.admitted = 0  # requests admitted
+        self.tokens_out = 0  # tokens generated
         self.metrics = None  # a metrics.Metrics, set by the app
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
         self._thread.daemon = True
@@ -184,6 +244,7 @@ class Engine:
         # restart.
         self._busy: Optional[tuple] = None
         self._admitting = None  # the channel of the request being admitted
+        self._planning_since: Optional[float] = None  # Engine.plan running since
         self.hung = False
         self.exit_process = os._exit
 
@@ -216,6 +277,11 @@ class Engine:
             if busy is not None and time.monotonic() - busy[1] > limit:
                 self._on_hang(busy[0], time.monotonic() - busy[1])
                 return
+            # The planning thread (Engine.plan): every request waits on it.
+            since = self._planning_since
+            if since is not None and time.monotonic() - since > limit:
+                self._on_hang("planning a prompt", time.monotonic() - since)
+                return
 
     def _on_hang(self, what: str, seconds: float):
         """The generation thread is stuck: say so, answer everyone, exit."""
@@ -232,6 +298,7 @@ class Engine:
             batch = self._batch
             if batch is not None:
                 held += [r["channel"] for r in list(batch.results.values())]
+                held += [r[0] for r in batch.held_back()]
             held += [r[0] for r in list(self._pending)]
             held += [c for c in (self._current, self._admitting) if c is not None]
         except Exception:  # the stuck thread changed them under us: best effort
@@ -293,6 +360,7 @@ class Engine:
         held = []
         if self._batch is not None:
             held += [r["channel"] for r in self._batch.results.values()]
+            held += [r[0] for r in self._batch.held_back()]
             try:
                 self._batch.close()
             except Exception:
@@ -444,26 +512,86 @@ class Engine:
         ctx.stop_word_tokens = stop_word_tokens
         return ctx, stop_sequences
 
-    def _plan(self, tokenizer, request, args):
+    def _build_plan(self, tokenizer, processor, request, args) -> PromptPlan:
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
-            plan = build_prompt(tokenizer, self.model_provider.processor, request, kwargs)
+            return build_prompt(tokenizer, processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
+
+    @staticmethod
+    def _constraint(request, tokenizer, plan):
+        """The request's constraint processor (structured output), or None."""
+        try:
+            return processor_for(getattr(request, "constraint", None), tokenizer,
+                                 plan.tokens, request.request_type == "chat")
+        except ConstraintError as e:
+            raise PromptError(str(e)) from e
+
+    def plan(self, request, args) -> Optional[Planned]:
+        """Plan a text request for the model now loaded, on the caller's
+        thread (the HTTP layer's planning thread): the template renders,
+        tokenizing and the constraint's matcher stay off the generation
+        thread. None: the engine plans it at admission (no model loaded yet,
+        another model named, or images, whose plan needs the vision tower's
+        processor). Raises PromptError."""
+        provider = self.model_provider
+        key, tokenizer = provider.model_key, provider.tokenizer
+        # (Under mx.distributed requests are pickled to the other ranks,
+        # which plan them themselves.)
+        if (self._is_distributed or tokenizer is None or key is None
+                or provider.key_for(args.model) != key
+                or (request.request_type == "chat" and any(_image_parts(request.messages)))):
+            return None
+        self._planning_since = time.monotonic()  # watched, as the generation thread is
+        try:
+            plan = self._build_plan(tokenizer, provider.processor, request, args)
+            constraint = self._constraint(request, tokenizer, plan)
         finally:
-            # The decoded pixels are in the plan now (or not needed): the
-            # request, which its handler holds to the end, lets them go.
-            if getattr(request, "images", None) is not None:
-                request.images = None
-        # A divergence checkpoint: where this prompt leaves the paths already
-        # in the store (an edit or regeneration inside a message), so the
-        # next variant of the same branch can resume there.
+            self._planning_since = None
+        if provider.model_key != key:  # a load replaced the model meanwhile
+            return None
+        return Planned(key, plan, constraint)
+
+    def _plan(self, tokenizer, request, args) -> Planned:
+        """The request's plan for the model now running: the one made off this
+        thread if it was made for this model, else made now."""
+        planned = getattr(request, "planned", None)
+        request.planned = None
+        if planned is None or planned.model_key != self.model_provider.model_key:
+            try:
+                plan = self._build_plan(tokenizer, self.model_provider.processor, request, args)
+            finally:
+                # The decoded pixels are in the plan now (or not needed): the
+                # request, which its handler holds to the end, lets them go.
+                if getattr(request, "images", None) is not None:
+                    request.images = None
+            planned = Planned(self.model_provider.model_key, plan,
+                              self._constraint(request, tokenizer, plan))
+        return planned
+
+    def _segments(self, plan: PromptPlan):
+        """The plan's segments, plus a divergence checkpoint: where this prompt
+        leaves the paths already in the store (an edit or regeneration inside
+        a message), so the next variant of the same branch can resume there.
+        Depends on the store, so it is found at admission (a trie walk)."""
+        return self._split(plan, self._shared_depth(plan))
+
+    def _shared_depth(self, plan: PromptPlan) -> int:
+        """How far the store's paths follow this prompt (not into an image)."""
         depth = self.store.shared_depth(self.model_provider.model_key, plan.cache_key)
-        if isinstance(plan.vision, VisionPrompt):  # not inside an image
+        if isinstance(plan.vision, VisionPrompt):
             depth = plan.vision.safe_prefix(depth)
-        if 0 < depth < len(plan.tokens) - 1:
-            split_at(plan, depth)
-        return plan
+        return depth
+
+    @staticmethod
+    def _split(plan: PromptPlan, depth: int):
+        if not 0 < depth < len(plan.tokens) - 1:
+            return plan.segments, plan.segment_types
+        split = dataclasses.replace(plan, segments=list(plan.segments),
+                                    segment_types=list(plan.segment_types))
+        split_at(split, depth)
+        return split.segments, split.segment_types
 
     def _is_batchable(self, request, args) -> bool:
         # Image requests batch on models served through mlx-vlm (vision.py);
@@ -499,7 +627,7 @@ class Engine:
         processor = self.model_provider.processor
         return processor if isinstance(processor, VisionSupport) else None
 
-    def _resume(self, model, plan, cache, cached, channel):
+    def _resume(self, model, plan, segments, cache, cached, channel):
         """A vision-language model's cache, ready for the rest of `plan`.
 
         A cached prefix may not end inside an image (its positions come out
@@ -531,8 +659,8 @@ class Engine:
             tic = time.perf_counter()
             checkpoints = {}
             if self._keep_checkpoints(model):
-                ends = itertools.accumulate(len(s) for s in plan.segments[:-1])
-                checkpoints = dict(zip(ends, plan.segment_types))
+                ends = itertools.accumulate(len(s) for s in segments[0][:-1])
+                checkpoints = dict(zip(ends, segments[1]))
 
             def store_checkpoint(position):
                 kept = copy.deepcopy(cache)
@@ -735,6 +863,7 @@ class Engine:
             else:
                 self._beat("a batch step")
                 batch.step()
+            self._pending += batch.take_unparked()
 
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
@@ -761,7 +890,14 @@ class Engine:
             self._count(channel, req, args, batch)
             return False
         if same_model and batchable:
-            batch.insert(channel, req, args)
+            tic = time.perf_counter()
+            admission = self._prepare(channel, req, args, batch.model, batch.tokenizer,
+                                      park=lambda planned, depth: batch.park(request, planned, depth))
+            if admission is not PARKED:
+                if admission is not None:
+                    batch.insert(admission)
+                self.admitted += 1
+            self.thread_seconds["admission"] += time.perf_counter() - tic
             return False
         if batch is not None:
             self._pending.append(request)
@@ -782,6 +918,43 @@ class Engine:
         self._pending.append(request)
         return False
 
+    def _prepare(self, channel, request, args, model, tokenizer, park=None):
+        """A request's admission into the batch: its plan, its cached prefix
+        and, on vision-language models, its images through the vision tower
+        and prefilled (unless the cache covers them). Errors that are the
+        request's own are answered here (None); others raise for the
+        admission guard. `park(planned, depth)` may hold the request back
+        before anything is fetched (PARKED)."""
+        try:
+            planned = self._plan(tokenizer, request, args)
+        except PromptError as e:
+            channel.put(e)
+            return None
+        plan = planned.plan
+        depth = self._shared_depth(plan)
+        if park is not None and park(planned, depth):
+            return PARKED
+        segments = self._split(plan, depth)
+        cache, cached = self._fetch_cache(plan.cache_key)
+        ctx, stop_sequences = self._context(tokenizer, plan, args)
+        ctx.prompt_cache_count = cached
+        if self._vision is not None:
+            try:
+                cache, ctx.prompt_cache_count, cached = self._resume(
+                    model, plan, segments, cache, cached, channel)
+            except _Cancelled:
+                channel.removed()
+                logging.info("Stopped the image prefill of a cancelled request")
+                return None
+            except Exception as e:
+                logging.exception("Image prefill failed")
+                if is_out_of_memory(e):
+                    raise  # the admission guard answers 503
+                channel.put(PromptError(f"Could not process the images: {e}"))
+                return None
+        return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
+                         *segments, planned.constraint)
+
     def _count(self, channel, request, args, batch):
         """Plan a request and answer its context only: the prompt's size, as
         the same request would be generated (count_tokens)."""
@@ -793,7 +966,7 @@ class Engine:
             except ModelLoadError as e:
                 channel.put(e)
                 return
-        plan = self._plan(tokenizer, request, args)  # PromptError: the guard answers
+        plan = self._plan(tokenizer, request, args).plan  # PromptError: the guard answers
         ctx, _ = self._context(tokenizer, plan, args)
         ctx.prompt_cache_count = 0
         channel.put(ctx)
@@ -809,12 +982,8 @@ class Engine:
                 or provider.key_for(args.model) != provider.model_key
                 or (request.request_type == "chat" and any(_image_parts(request.messages)))):
             return None
-        kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
-        try:
-            # A copy: templating converts the messages in place.
-            plan = build_prompt(tokenizer, provider.processor, copy.deepcopy(request), kwargs)
-        except Exception as e:
-            raise PromptError(str(e) or type(e).__name__) from e
+        # A copy: templating converts the messages in place.
+        plan = self._build_plan(tokenizer, provider.processor, copy.deepcopy(request), args)
         return len(plan.tokens)
 
     def _forget(self, channel):
@@ -826,21 +995,20 @@ class Engine:
     def _serve_single(self, channel, request, args, stream):
         """Sequential path: seed, draft model, images (and --kv-bits on models
         quantized_batch.py does not batch)."""
+        tic = time.perf_counter()
+        self.admitted += 1
         try:
             model = self.model_provider.model
             tokenizer = self.model_provider.tokenizer
             draft_model = self.model_provider.draft_model
-            plan = self._plan(tokenizer, request, args)
+            planned = self._plan(tokenizer, request, args)
+            plan, constraint = planned.plan, planned.constraint
+            segments = self._segments(plan)
             ctx, stop_sequences = self._context(tokenizer, plan, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
             sampler = _make_sampler(args, tokenizer)
             logits_processors = _make_logits_processors(args)
-            try:
-                constraint = processor_for(getattr(request, "constraint", None), tokenizer,
-                                           plan.tokens, request.request_type == "chat")
-            except ConstraintError as e:
-                raise PromptError(str(e)) from e
             if constraint is not None and draft_model is not None:
                 # Speculation runs the processors on draft tokens it may
                 # reject; a matcher can't follow that.
@@ -855,7 +1023,7 @@ class Engine:
             covered = ctx.prompt_cache_count
             if self._vision is not None:
                 cache, ctx.prompt_cache_count, covered = self._resume(
-                    model, plan, cache, covered, channel
+                    model, plan, segments, cache, covered, channel
                 )
             rest = plan.tokens[covered:]
             if cache is None:
@@ -867,7 +1035,8 @@ class Engine:
             progress = self._prefill_progress(channel, cache)
 
             if draft_model is None and (plan.vision is None or self._vision is not None):
-                rest = self._prefill_checkpoints(model, cache, plan, covered, progress)
+                rest = self._prefill_checkpoints(model, cache, plan, segments, covered,
+                                                 progress)
 
             input_embeddings = None
             vision = plan.vision
@@ -882,6 +1051,9 @@ class Engine:
                     self._observe("vision_seconds", time.perf_counter() - tic)
 
             stop_matcher = stop_sequences.matcher()
+            seconds = self.thread_seconds
+            seconds["admission"] += time.perf_counter() - tic
+            tic = time.perf_counter()
             for gen in stream_generate(
                 model=model,
                 stream=stream,
@@ -900,6 +1072,9 @@ class Engine:
                 kv_group_size=self.cli_args.kv_group_size,
                 quantized_kv_start=self.cli_args.quantized_kv_start,
             ):
+                toc = time.perf_counter()
+                seconds["model"] += toc - tic
+                self.tokens_out += 1
                 finish_reason = gen.finish_reason
                 if stop_matcher.advance(gen.token):
                     finish_reason = "stop"
@@ -921,6 +1096,8 @@ class Engine:
                     # The budget covers this request's growing cache too.
                     self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
                 gone = ctx._should_stop or channel.cancelled
+                tic = time.perf_counter()
+                seconds["outside_model"] += tic - toc
                 if (gone and not self._is_distributed) or finish_reason is not None:
                     break
             if channel.cancelled:
@@ -949,14 +1126,14 @@ class Engine:
             channel.put(error)
 
 
-    def _prefill_checkpoints(self, model, cache, plan, cached, progress):
+    def _prefill_checkpoints(self, model, cache, plan, segments, cached, progress):
         """Sequential path: prefill up to each checkpoint and store a copy there.
 
-        The positions the batched path stores: the plan's segment ends and the
-        end of the prompt but its last token. Returns the tokens left for
-        stream_generate.
+        The positions the batched path stores: the ends of `segments` (the
+        plan's, with the divergence checkpoint) and the end of the prompt but
+        its last token. Returns the tokens left for stream_generate.
         """
-        segments, kinds = _drop_cached(plan.segments, plan.segment_types, cached)
+        segments, kinds = _drop_cached(*segments, cached)
         if not self._keep_checkpoints(model):
             return plan.tokens[cached:]
         if len(segments[-1]) > 1:  # kinds already has one entry per end
@@ -984,6 +1161,13 @@ class _Batch:
         self.model_key = engine.model_provider.model_key
         self.keep_checkpoints = engine._keep_checkpoints(model)
         self.results: Dict[int, Dict[str, Any]] = {}
+        self._outbox = []  # (channel, event) of the step running
+        self._samplers = {}  # sampling settings -> sampler (see _sampler)
+        # Requests waiting for a checkpoint another request in the batch is
+        # about to store: [leader uid, position, the request as queued]; and
+        # those whose wait is over, for the engine to admit again.
+        self._parked: List[list] = []
+        self._unparked: List[tuple] = []
         self._new_generator()
 
     def _new_generator(self):
@@ -1009,71 +1193,62 @@ class _Batch:
     def close(self):
         self.generator.close()
 
-    def insert(self, channel, request, args):
-        engine = self.engine
-        tokenizer = self.tokenizer
-        try:
-            plan = engine._plan(tokenizer, request, args)
-        except PromptError as e:
-            channel.put(e)
-            return
-        cache, cached = engine._fetch_cache(plan.cache_key)
-        ctx, stop_sequences = engine._context(tokenizer, plan, args)
-        ctx.prompt_cache_count = cached
-        if engine._vision is not None:
-            # Images: through the vision tower and prefilled here (unless
-            # the cache covers them); the batch takes the text after them.
-            try:
-                cache, ctx.prompt_cache_count, cached = engine._resume(
-                    self.model, plan, cache, cached, channel
-                )
-            except _Cancelled:
-                channel.removed()
-                logging.info("Stopped the image prefill of a cancelled request")
-                return
-            except Exception as e:
-                logging.exception("Image prefill failed")
-                if is_out_of_memory(e):
-                    raise  # the admission guard answers 503
-                channel.put(PromptError(f"Could not process the images: {e}"))
-                return
-        try:
-            constraint = processor_for(getattr(request, "constraint", None), tokenizer,
-                                       plan.tokens, request.request_type == "chat")
-        except ConstraintError as e:
-            channel.put(PromptError(str(e)))
-            return
-        processors = _make_logits_processors(args) + ([constraint] if constraint else [])
-        segments, segment_types = _drop_cached(plan.segments, plan.segment_types, cached)
+    def _sampler(self, args):
+        """One sampler per distinct setting: rows that share it are sampled
+        by one call per step (BatchGenerator batches rows whose sampler is
+        the same object; a sampler holds no state of its own). Not with XTC,
+        whose one random draw per call would then decide for all the rows."""
+        s = args.sampling
+        if s.xtc_probability > 0:
+            return _make_sampler(args, self.tokenizer)
+        key = (s.temperature, s.top_p, s.top_k, s.min_p)
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            if len(self._samplers) > 64:
+                self._samplers.clear()
+            sampler = self._samplers[key] = _make_sampler(args, self.tokenizer)
+        return sampler
+
+    def insert(self, a: Admission):
+        """Add an admitted request to the generator."""
+        segments, segment_types = _drop_cached(a.segments, a.segment_types, a.cached)
         if not self.keep_checkpoints:
-            segments, segment_types = [sum(segments, [])], ["prompt"]
+            # Plain KV caches: any prefix of an entry serves by trimming, so
+            # no checkpoints but the end of the system messages, where
+            # concurrent requests that share them wait for this one (park).
+            head = int(len(segments) > 1 and segment_types[0] == "system")
+            segments = segments[:head] + [sum(segments[head:], [])]
+            segment_types = segment_types[:head] + ["prompt"]
+        # The positions of the checkpoints this request will store.
+        ends = list(itertools.accumulate((len(s) for s in segments[:-1]), initial=a.cached))[1:]
+        processors = _make_logits_processors(a.args) + ([a.constraint] if a.constraint else [])
         # (An error here is answered by the engine's admission guard.)
         (uid,) = self.generator.insert_segments(
             segments=[segments],
-            max_tokens=[args.max_tokens],
-            caches=[cache],
-            all_tokens=[plan.tokens[:cached]],
-            samplers=[_make_sampler(args, tokenizer)],
+            max_tokens=[a.args.max_tokens],
+            caches=[a.cache],
+            all_tokens=[a.plan.tokens[:a.cached]],
+            samplers=[self._sampler(a.args)],
             logits_processors=[processors],
-            stop_sequences=[stop_sequences],
+            stop_sequences=[a.stop_sequences],
         )
-        channel.put(ctx)
+        a.channel.put(a.ctx)
         self.results[uid] = {
-            "ctx": ctx,
-            "channel": channel,
-            "detokenizer": tokenizer.detokenizer,
+            "ctx": a.ctx,
+            "channel": a.channel,
+            "detokenizer": self.tokenizer.detokenizer,
             # Popped from the end as segment ends are reached.
             "segment_types": segment_types[::-1],
-            "logprobs": args.logprobs,
-            "top_logprobs": args.top_logprobs,
+            "ends": ends,  # those not reached yet
+            "logprobs": a.args.logprobs,
+            "top_logprobs": a.args.top_logprobs,
             "decoding": False,  # set at its first generated token
             # Cache keys of this request: the prompt's key (image ids in
             # place of image tokens), then the tokens it generates.
-            "key_prefix": plan.cache_key,
+            "key_prefix": a.plan.cache_key,
             # Structured output: a grammar failure fails this request alone.
-            "constraint": constraint,
+            "constraint": a.constraint,
         }
-        del cache
 
     def step(self) -> bool:
         """One BatchGenerator step. Returns whether it did any work.
@@ -1081,12 +1256,26 @@ class _Batch:
         Anything raised inside, removing cancelled requests included, fails
         the requests of this batch, not the generation thread.
         """
+        tic = time.perf_counter()
+        seconds = self.engine.thread_seconds
+        model = seconds["model"]
         try:
             self._remove_stopped()
             return self._step()
         except Exception as e:
+            self._flush()  # what the step produced comes before the error
             self._fail_all(e)
             return False
+        finally:
+            self._flush()
+            seconds["outside_model"] += time.perf_counter() - tic - (seconds["model"] - model)
+
+    def _flush(self):
+        """Hand the step's events to their channels at once (the HTTP side:
+        one call into the event loop per step, not one per token)."""
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            deliver(events)
 
     def _remove_stopped(self):
         """Clients that went away leave the batch wherever they are."""
@@ -1114,6 +1303,7 @@ class _Batch:
                     # Only this cancelled request's entry is lost.
                     logging.exception("Could not store a cancelled request's cache")
             result = self.results.pop(uid, None)
+            self._unpark(uid)
             if result is None:
                 continue
             channel = result["channel"]
@@ -1130,15 +1320,18 @@ class _Batch:
     def _step(self) -> bool:
         engine = self.engine
         engine.steps += 1
+        tic = time.perf_counter()
         prompt_responses, gen_responses = self.generator.next()
+        engine.thread_seconds["model"] += time.perf_counter() - tic
         if not prompt_responses and not gen_responses:
             return False
+        engine.tokens_out += len(gen_responses)
         if prompt_responses or engine.steps % BUDGET_EVERY == 0:
             # Prefill allocates, and decode grows the caches a little per step.
             self.enforce_budget()
 
         for r in prompt_responses:
-            self.results[r.uid]["channel"].put(r.progress)
+            self._outbox.append((self.results[r.uid]["channel"], r.progress))
 
         # Each request's checkpoints are its own segment ends: the cache
         # extracted there covers exactly the tokens that request has seen.
@@ -1150,8 +1343,11 @@ class _Batch:
             and self.results[r.uid]["segment_types"]
         ]
         for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
-            kind = self.results[uid]["segment_types"].pop()
+            result = self.results[uid]
+            kind = result["segment_types"].pop()
             engine.store.insert(self.model_key, self._key(uid, tokens), cache, kind)
+            result["ends"] = [e for e in result["ends"] if e > len(tokens)]
+            self._unpark(uid, len(tokens))
 
         for r in gen_responses:
             result = self.results[r.uid]
@@ -1162,7 +1358,7 @@ class _Batch:
                 detokenizer.add_token(r.token)
             if r.finish_reason is not None:
                 detokenizer.finalize()
-            result["channel"].put(
+            self._outbox.append((result["channel"],
                 Response(
                     detokenizer.last_segment,
                     r.token,
@@ -1170,7 +1366,7 @@ class _Batch:
                     r.finish_reason,
                     _format_top_logprobs(r.logprobs, result["top_logprobs"], self.tokenizer),
                 )
-            )
+            ))
             if r.finish_reason is not None:
                 # Stored before the answer ends, so that a follow-up sent the
                 # moment it ends finds it.
@@ -1179,12 +1375,61 @@ class _Batch:
                                     reply_start=self._reply_start(r.uid))
                 constraint = result["constraint"]
                 if constraint is not None and constraint.error is not None:
-                    result["channel"].put(InternalError(
-                        f"Structured output failed: {constraint.error}"))
-                result["channel"].put(None)
+                    self._outbox.append((result["channel"], InternalError(
+                        f"Structured output failed: {constraint.error}")))
+                self._outbox.append((result["channel"], None))
                 engine._log_store()
                 del self.results[r.uid]
+                self._unpark(r.uid)
         return True
+
+    def park(self, request, planned: Planned, cached: int) -> bool:
+        """Hold `request` back if a request in the batch is about to store a
+        checkpoint that covers at least PARK_MIN_TOKENS more of its prompt
+        than the store can (`cached`, at most): concurrent requests with the
+        same new system prompt have it computed once, not once per request.
+        Returns whether it was held; it comes back through take_unparked once
+        that request stored the checkpoint or left, and is admitted again
+        with its plan. A stream gets its headers and a keepalive meanwhile."""
+        plan = planned.plan
+        if plan.vision is not None or self.engine.store.disabled():
+            return False  # (images: a plan of their own; no store: no checkpoint)
+        key = plan.cache_key
+        best = None
+        for uid, r in self.results.items():
+            for end in reversed(r["ends"]):
+                if best is not None and end <= best[1]:
+                    break
+                if (cached + PARK_MIN_TOKENS <= end < len(key)
+                        and key[:end] == r["key_prefix"][:end]):
+                    best = (uid, end)
+                    break
+        if best is None:
+            return False
+        request[1].planned = planned
+        self._parked.append([*best, request])
+        request[0].put((0, len(plan.tokens)))
+        return True
+
+    def _unpark(self, uid=None, stored: Optional[int] = None):
+        """Release the requests waiting for `uid` (all with uid None): those
+        whose checkpoint it stored (at `stored`), or all of them when it left."""
+        keep = []
+        for parked in self._parked:
+            if uid is None or (parked[0] == uid and (stored is None or parked[1] <= stored)):
+                self._unparked.append(parked[2])
+            else:
+                keep.append(parked)
+        self._parked = keep
+
+    def take_unparked(self) -> List[tuple]:
+        """Requests whose wait is over, as they were queued."""
+        out, self._unparked = self._unparked, []
+        return out
+
+    def held_back(self) -> List[tuple]:
+        """Requests parked or released and not admitted yet."""
+        return [p[2] for p in self._parked] + self._unparked
 
     def _reply_start(self, uid) -> int:
         """Where request `uid`'s generated tokens start in its cache key."""
@@ -1204,6 +1449,7 @@ class _Batch:
         for result in self.results.values():
             result["channel"].put(error)
         self.results.clear()
+        self._unpark()
         try:
             self.generator.close()
         except Exception:

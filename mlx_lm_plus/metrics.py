@@ -272,10 +272,11 @@ class Metrics:
         self.recent.append(record)
         logging.info("Request " + json.dumps(record.as_dict(), separators=(",", ":")))
 
-    def sample(self):
-        """One point of the time series (called every second)."""
+    def sample(self, cache=None):
+        """One point of the time series (called every second; `cache`: the
+        store's snapshot, taken now if not given)."""
         memory = self.engine.memory()
-        cache = self.engine.store.snapshot()
+        cache = cache if cache is not None else self.engine.store.snapshot()
         delta = self.totals - self._last_totals
         self._last_totals = Counter(self.totals)
         self.series.append({

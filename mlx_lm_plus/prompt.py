@@ -7,6 +7,9 @@ engine stores a cache entry at the end of each segment but the last, for
 each request at its own positions.
 """
 
+import bisect
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -18,6 +21,7 @@ from mlx_lm.server import (
     convert_chat,
     process_message_content,
 )
+from tokenizers import Tokenizer
 
 from .vision import VisionSupport
 
@@ -95,6 +99,12 @@ def build_prompt(
             token_id=tokenizer.convert_tokens_to_ids(processor.image_token),
         )
     else:
+        # One tokenization serves both the prompt and its boundaries.
+        fast = _TextBoundary.for_prompt(tokenizer, messages, kwargs)
+        if fast is not None:
+            tokens = fast.tokens
+            boundaries = _positions(messages, len(tokens), fast)
+            return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), None)
         tokens = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **kwargs
         )
@@ -137,13 +147,14 @@ def common_prefix(a: List[int], b: List[int]) -> int:
     return n
 
 
-def _boundary(tokenizer, tokens, variants, kwargs, add_generation_prompt) -> int:
-    """Shortest common prefix of `tokens` and each variant's rendering (-1 on error)."""
+def _boundary(tokenizer, tokens, variants, kwargs) -> int:
+    """Shortest common prefix of `tokens` and each variant's tokenization
+    (-1 on error): the reference method, one full tokenization per variant."""
     best = len(tokens)
     for variant in variants:
         try:
             other = tokenizer.apply_chat_template(
-                variant, add_generation_prompt=add_generation_prompt, **kwargs
+                variant, add_generation_prompt=True, **kwargs
             )
         except Exception:
             return -1
@@ -172,23 +183,37 @@ def checkpoint_positions(tokenizer, messages, tokens, kwargs) -> List[tuple]:
         (the next turn appends an assistant reply and a user message; a
         thinking template re-renders the reply without its reasoning).
     Returns sorted (position, kind) pairs with 0 < position < len(tokens).
+
+    The renderings are compared as tokens; `_TextBoundary` does it without
+    tokenizing them whole where it can, with the same result.
     """
-    n = len(tokens)
+    fast = _TextBoundary.create(tokenizer, messages, tokens, kwargs)
+    if fast is None:
+        return _checkpoint_positions_reference(tokenizer, messages, tokens, kwargs)
+    return _positions(messages, len(tokens), fast)
+
+
+def _checkpoint_positions_reference(tokenizer, messages, tokens, kwargs) -> List[tuple]:
+    """`checkpoint_positions` tokenizing every rendering whole."""
+    return _positions(
+        messages, len(tokens), lambda variants: _boundary(tokenizer, tokens, variants, kwargs)
+    )
+
+
+def _positions(messages, n, boundary) -> List[tuple]:
+    """The positions of `checkpoint_positions`, `boundary(variants)` giving
+    the shortest common prefix of the prompt's tokens and the variants'."""
     found = {}
 
     first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
     if first is not None and first > 0:
-        p = _boundary(tokenizer, tokens,
-                      [_with_content(messages, first, s) for s in SENTINELS],
-                      kwargs, True)
+        p = boundary([_with_content(messages, first, s) for s in SENTINELS])
         if 0 < p < n:
             found[p] = "system"
 
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is not None:
-        p = _boundary(tokenizer, tokens,
-                      [_with_content(messages, last_user, s) for s in SENTINELS],
-                      kwargs, True)
+        p = boundary([_with_content(messages, last_user, s) for s in SENTINELS])
         if 0 < p < n:
             found.setdefault(p, "checkpoint")
 
@@ -197,10 +222,189 @@ def checkpoint_positions(tokenizer, messages, tokens, kwargs) -> List[tuple]:
             [*messages, {"role": "assistant", "content": s}, {"role": "user", "content": s}]
             for s in SENTINELS
         ]
-        p = _boundary(tokenizer, tokens, nexts, kwargs, True)
+        p = boundary(nexts)
         if 0 < p < n:
             found.setdefault(p, "checkpoint")
     return sorted(found.items())
+
+
+# chat template arguments that change how `apply_chat_template` tokenizes
+# its rendering (the fast path tokenizes renderings itself).
+_TOKENIZE_KWARGS = ("sanitize_control_tokens", "tokenizer_kwargs", "truncation", "max_length",
+                    "padding", "return_tensors", "return_dict", "return_assistant_tokens_mask")
+# backend tokenizer -> (its vocabulary size, `_split_tokens`)
+_SPLIT_TOKENS = weakref.WeakKeyDictionary()
+# backend tokenizer -> prompts on which its encode agreed with
+# `apply_chat_template` (-1: it did not once, so it is never trusted)
+_VERIFIED = weakref.WeakKeyDictionary()
+VERIFY_PROMPTS = 3
+
+
+def _split_tokens(backend) -> Dict[int, str]:
+    """id -> text of the added tokens that cut any text they occur in.
+
+    A fast tokenizer first finds its added tokens in the raw text (leftmost,
+    longest match), then tokenizes the pieces between them one by one. Where
+    two texts agree up to (or from) such a token, it is found in both: it
+    needs no context (no whitespace stripping, no word check, not matched
+    after normalizing), and no longer added token contains it (one starting
+    at or before it and running into where the texts differ would win).
+    """
+    size = backend.get_vocab_size(with_added_tokens=True)
+    cached = _SPLIT_TOKENS.get(backend)
+    if cached is None or cached[0] != size:
+        added = backend.get_added_tokens_decoder()
+        joined = "\0".join(t.content for t in added.values())
+        splits = {
+            i: t.content
+            for i, t in added.items()
+            if t.content
+            and "\0" not in t.content
+            and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+            and joined.count(t.content) == 1
+        }
+        cached = _SPLIT_TOKENS[backend] = (size, splits)
+    return cached[1]
+
+
+class _NotHere(Exception):
+    """The fast path cannot vouch for this boundary."""
+
+
+class _TextBoundary:
+    """`_boundary` without tokenizing the variants whole.
+
+    A variant's rendering agrees with the prompt's text up to some character
+    and again over a common end. Its tokens are the prompt's up to the last
+    split token (`_split_tokens`) before the difference; from there they are
+    those of the window of its text that ends with the first split token of
+    the common end, and tokenizing that window alone gives them.
+    """
+
+    def __init__(self, tokenizer, backend, text, tokens, offsets, kwargs):
+        self.tokenizer, self.backend, self.kwargs = tokenizer, backend, kwargs
+        self.text, self.tokens = text, tokens
+        split_tokens = _split_tokens(backend)
+        # (token index, start, end) of the prompt's split tokens, in order
+        self.splits = [
+            (i, *offsets[i]) for i, t in enumerate(tokens)
+            if t in split_tokens and text[offsets[i][0] : offsets[i][1]] == split_tokens[t]
+        ]
+        self.starts = [s for _, s, _ in self.splits]
+        self.ends = [e for _, _, e in self.splits]
+
+    @staticmethod
+    def _backend(tokenizer, kwargs):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if (
+            not isinstance(backend, Tokenizer)
+            or backend.encode_special_tokens  # added tokens read as text
+            or backend.truncation
+            or backend.padding
+            or any(k in kwargs for k in _TOKENIZE_KWARGS)
+            or kwargs.get("tokenize", True) is not True
+        ):
+            return None
+        return backend
+
+    @classmethod
+    def create(cls, tokenizer, messages, tokens, kwargs):
+        """The fast path for this prompt, or None where it does not apply."""
+        backend = cls._backend(tokenizer, kwargs)
+        if backend is None:
+            return None
+        kwargs = {**kwargs, "tokenize": False}
+        tokens = list(tokens)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            encoding = backend.encode(text, add_special_tokens=False)
+        except Exception:
+            return None
+        # The backend must tokenize this prompt as `apply_chat_template` did
+        # (and `tokens` be this conversation's).
+        if encoding.ids != tokens:
+            return None
+        return cls(tokenizer, backend, text, tokens, encoding.offsets, kwargs)
+
+    @classmethod
+    def for_prompt(cls, tokenizer, messages, kwargs):
+        """The fast path with the prompt's tokens from its own tokenization
+        (render, then the backend's encode: what `apply_chat_template` does
+        with a fast tokenizer), or None where it does not apply. For the first
+        prompts of each tokenizer `apply_chat_template` tokenizes too and must
+        agree, else this tokenizer never takes this path."""
+        backend = cls._backend(tokenizer, kwargs)
+        if backend is None or _VERIFIED.get(backend, 0) < 0:
+            return None
+        render = {**kwargs, "tokenize": False}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
+        encoding = backend.encode(text, add_special_tokens=False)
+        checked = _VERIFIED.get(backend, 0)
+        if checked < VERIFY_PROMPTS:
+            agrees = encoding.ids == list(tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, **kwargs))
+            _VERIFIED[backend] = checked + 1 if agrees else -1
+            if not agrees:
+                return None
+        return cls(tokenizer, backend, text, encoding.ids, encoding.offsets, render)
+
+    def __call__(self, variants) -> int:
+        # Renderings are cheap, tokenizations are not.
+        try:
+            texts = [
+                self.tokenizer.apply_chat_template(v, add_generation_prompt=True, **self.kwargs)
+                for v in variants
+            ]
+        except Exception:
+            return -1
+        try:
+            return min([len(self.tokens)] + [self._common_tokens(t) for t in texts])
+        except _NotHere:
+            return _boundary(self.tokenizer, self.tokens, variants, {**self.kwargs, "tokenize": True})
+
+    def _common_tokens(self, other: str) -> int:
+        """common_prefix(self.tokens, the tokens of the text `other`)."""
+        text, tokens, splits = self.text, self.tokens, self.splits
+        d = _common_text(text, other)
+        common_end = _common_text(text, other, min(len(text), len(other)) - d, suffix=True)
+        # The window: from the last split token ending at or before d ...
+        j = bisect.bisect_right(self.ends, d) - 1
+        first, start = (splits[j][0], splits[j][1]) if j >= 0 else (0, 0)
+        # ... to the end of the first one in the common end (or the end).
+        t = bisect.bisect_left(self.starts, len(text) - common_end)
+        shift = len(other) - len(text)
+        end = splits[t][2] + shift if t < len(splits) else len(other)
+        window = self.backend.encode(other[start:end], add_special_tokens=False)
+        ids, offsets = window.ids, window.offsets
+        # Both split tokens must be where they were (they are, by
+        # `_split_tokens`; a check is cheap).
+        if j >= 0 and (ids[:1] != [tokens[first]] or offsets[0] != (0, splits[j][2] - start)):
+            raise _NotHere
+        if t < len(splits):
+            last, s, e = splits[t]
+            if ids[-1:] != [tokens[last]] or offsets[-1] != (s + shift - start, e + shift - start):
+                raise _NotHere
+        n = common_prefix(itertools.islice(tokens, first, None), ids)
+        if n == len(ids) and t < len(splits):
+            # The window agrees to its end (a normalizer dropped the
+            # difference): what follows it decides.
+            raise _NotHere
+        return first + n
+
+
+def _common_text(a: str, b: str, limit: Optional[int] = None, suffix: bool = False) -> int:
+    """Length of the common prefix (suffix) of two strings, at most `limit`:
+    a bisection of C-speed slice comparisons rather than a loop over characters."""
+    if suffix:
+        a, b = a[::-1], b[::-1]
+    lo, hi = 0, min(len(a), len(b), len(a) if limit is None else limit)
+    while lo < hi:  # a[:lo] == b[:lo]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs) -> List[tuple]:

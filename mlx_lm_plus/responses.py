@@ -7,6 +7,7 @@ with upstream's TextStateMachine, and says when a streaming chunk is due.
 Both are plain objects with no I/O, so the shapes are testable alone.
 """
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -81,6 +82,18 @@ class ResponseBuilder:
         else:
             choice["text"] = text
         return response
+
+    def text_chunk(self, text: str) -> bytes:
+        """The SSE event of a streamed chunk carrying only `text` (not empty),
+        the same bytes as `data: json.dumps(self.response(text, None))`: made
+        from a template rendered once, because it is sent once per token."""
+        template = self.__dict__.get("_text_template")
+        if template is None:
+            marker = "\u0000text\u0000"
+            rendered = f"data: {json.dumps(self.response(marker, None))}\n\n"
+            head, tail = rendered.split(json.dumps(marker))
+            template = self._text_template = (head.encode(), tail.encode())
+        return template[0] + json.dumps(text).encode() + template[1]
 
     def usage_response(self, prompt_tokens, completion_tokens, cached_tokens):
         """The extra chunk sent when stream_options.include_usage is true."""

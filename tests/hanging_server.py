@@ -1,7 +1,7 @@
 """mlx_lm_plus.server whose batch step hangs (an MLX call that never
 returns) once a request asks for it with "HANG" in its last message, or
-hangs admitting a request that says "HANG_ADMIT": for the watchdog tests,
-which need a real process to exit."""
+hangs admitting a request that says "HANG_ADMIT", or planning one that says
+"HANG_PLAN": for the watchdog tests, which need a real process to exit."""
 
 import sys
 import time
@@ -9,17 +9,25 @@ import time
 from mlx_lm_plus import engine
 from mlx_lm_plus.server import main
 
-_insert, _step = engine._Batch.insert, engine._Batch.step
+_prepare, _step, _plan = engine.Engine._prepare, engine._Batch.step, engine.Engine.plan
 hang = []
 
 
-def insert(self, channel, request, args):
+def plan(self, request, args):
+    text = str(request.messages[-1].get("content")) if request.messages else ""
+    if "HANG_PLAN" in text:  # a template that never finishes, say
+        self._planning_since = time.monotonic()
+        time.sleep(3600)
+    return _plan(self, request, args)
+
+
+def prepare(self, channel, request, args, *rest, **kw):
     text = str(request.messages[-1].get("content")) if request.messages else ""
     if "HANG_ADMIT" in text:  # stuck while the request is being admitted
         time.sleep(3600)
     if "HANG" in text:
         hang.append(True)
-    return _insert(self, channel, request, args)
+    return _prepare(self, channel, request, args, *rest, **kw)
 
 
 def step(self):
@@ -28,7 +36,7 @@ def step(self):
     return _step(self)
 
 
-engine._Batch.insert, engine._Batch.step = insert, step
+engine.Engine._prepare, engine._Batch.step, engine.Engine.plan = prepare, step, plan
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -24,9 +24,14 @@ def test_every_workload_runs_against_upstream(fixture_path, tmp_path, capsys):
         medians = report["workloads"][name]["median"]
         for server in ("ours", "upstream"):
             figures = medians[server]
+            # Upstream has no generation-thread counters, and its streams
+            # may not overlap (no window for the decode rate of a batch).
+            theirs_only = ("gen. thread", "decode") if server == "upstream" else ()
             assert figures and all(v is not None for k, v in figures.items()
                                    if "cache bytes" not in k and "entries" not in k
-                                   and "budget" not in k), (name, server, figures)
+                                   and "budget" not in k
+                                   and not any(t in k for t in theirs_only)), (
+                name, server, figures)
     ours = {n: report["workloads"][n]["median"]["ours"] for n in TEXT_WORKLOADS}
     upstream = {n: report["workloads"][n]["median"]["upstream"] for n in TEXT_WORKLOADS}
     # Batched replies equal the same requests sent alone, on both servers.

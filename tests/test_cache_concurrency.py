@@ -65,3 +65,37 @@ def test_byte_budget_holds_after_every_insert(seeded, fixture_path):
         assert len(seen) >= 6 and store.snapshot()["evictions"] > 0
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3"])
+def test_concurrent_requests_compute_a_new_system_prompt_once(kind, fixture_path):
+    """Requests that arrive together with the same system prompt, not cached
+    yet: one computes it, the others wait for its checkpoint (parking) and
+    reuse it; every reply equals the same request served alone by a fresh
+    engine."""
+    path = fixture_path(kind)
+    system = "A new system prompt for parking, not seen before. " * 12
+    bodies = [{"messages": [{"role": "system", "content": system},
+                            {"role": "user", "content": f"Question {i}: which river is longest?"}]}
+              for i in range(4)]
+    runner = EngineRunner(path)
+    try:
+        channels = [runner.submit(b) for b in bodies]
+        results = [c.result() for c in channels]
+        fresh = EngineRunner(path, max_bytes=0)
+        try:
+            alone = [fresh.run(b)[0] for b in bodies]
+        finally:
+            fresh.close()
+        assert [tokens for tokens, _ in results] == alone
+        prompt = len(results[0][1].prompt)
+        reused = sorted(ctx.prompt_cache_count for _, ctx in results)
+        # The first computed the system prompt; the other three reused it.
+        assert reused[0] == 0
+        assert all(n >= prompt // 2 for n in reused[1:]), (reused, prompt)
+        # Held back before any lookup: one miss, four admissions.
+        assert runner.store.snapshot()["misses"] == 1
+        assert runner.engine.admitted == 4
+        assert_store_invariant(runner)
+    finally:
+        runner.close()

@@ -172,3 +172,24 @@ def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
         runner.run(chat("too big", max_tokens=4))
     monkeypatch.undo()
     assert len(runner.store.entries()) >= entries and runner.engine.restarts == 0
+
+
+def test_rows_with_the_same_sampling_share_one_sampler(runner):
+    """BatchGenerator samples rows whose sampler is the same object in one
+    call: requests with equal settings get the same one; XTC, whose random
+    draw would then be shared by the rows, gets its own each time."""
+    from types import SimpleNamespace
+
+    runner.run(chat("Load the model.", max_tokens=1))
+    batch = engine_module._Batch.__new__(engine_module._Batch)
+    batch._samplers, batch.tokenizer = {}, runner.provider.tokenizer
+
+    def args(temperature, xtc=0.0, top_p=1.0):
+        return SimpleNamespace(sampling=SimpleNamespace(
+            temperature=temperature, top_p=top_p, top_k=0, min_p=0.0,
+            xtc_probability=xtc, xtc_threshold=0.1))
+
+    warm = batch._sampler(args(0.7))
+    assert batch._sampler(args(0.7)) is warm
+    assert batch._sampler(args(0.7, top_p=0.9)) is not warm
+    assert batch._sampler(args(0.7, xtc=0.5)) is not batch._sampler(args(0.7, xtc=0.5))

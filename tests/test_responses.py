@@ -8,6 +8,8 @@ fixture's real tokenizer, TextStateMachine and tool parser.
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.generate import make_text_state_machine
 from mlx_lm.server import GenerationContext, Response
@@ -87,3 +89,13 @@ def test_message_shape_with_reasoning_and_tools():
                    "tool_calls": [{"id": "x", "type": "function", "function": {}}]}
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                           "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+@given(st.text(min_size=1))
+@settings(max_examples=200, deadline=None)
+def test_text_chunk_is_the_response_serialized(text):
+    """The per-token fast path writes the same bytes as the general one."""
+    for object_type in ("chat.completion.chunk", "text_completion"):
+        builder = ResponseBuilder("chatcmpl-1", object_type, 'm"o\u00e9', 7, "fp", True)
+        assert builder.text_chunk(text) == (
+            f"data: {json.dumps(builder.response(text, None))}\n\n".encode())

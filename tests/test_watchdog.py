@@ -67,3 +67,34 @@ def test_stuck_admission_answers_the_request_being_admitted(fixture_path, tmp_pa
                                          chat("HANG_ADMIT please"), timeout=60)
         assert status == 503 and "admitting a request" in json.loads(body)["error"]
         assert server.proc.wait(timeout=30) == HANG_EXIT_STATUS
+
+
+def test_stuck_planning_is_a_hang_too(fixture_path, tmp_path):
+    """Prompts are planned on their own thread before they reach the engine:
+    a plan that never ends is watched like a stuck step (/health 503, every
+    waiting request answered 503, then the exit for the supervisor)."""
+    command = [sys.executable, "-m", "tests.hanging_server"]
+    argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
+            "--watchdog-grace", "4"]
+    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+        assert server.post("/v1/chat/completions", chat("fine"))[0] == 200
+        results = {}
+
+        def send(name, text):
+            try:
+                results[name] = server.request("POST", "/v1/chat/completions", chat(text),
+                                               timeout=60)
+            except OSError as e:  # the stuck one: its connection ends with the process
+                results[name] = e
+
+        stuck = threading.Thread(target=send, args=("stuck", "HANG_PLAN please"))
+        stuck.start()
+        time.sleep(0.3)
+        waiting = threading.Thread(target=send, args=("waiting", "behind it"))
+        waiting.start()
+        waiting.join(timeout=30)
+        status, _, body = results["waiting"]
+        assert status == 503 and "planning a prompt" in json.loads(body)["error"]
+        assert server.request("GET", "/health")[0] == 503
+        assert server.proc.wait(timeout=30) == HANG_EXIT_STATUS
+        stuck.join(timeout=30)
