@@ -38,15 +38,15 @@ def fixture_or_model(args, work) -> str:
 
 @dataclass
 class Row:
-    prompt: int
+    prompt: Optional[int]
     cached: int
-    novel: int
+    novel: Optional[int]
     ttft: Optional[float]  # streamed requests only
     total: float
     # Streamed: when the last text arrived (decode rate: tokens after the
     # first over last - ttft), and when each text chunk did (perf_counter).
     last: Optional[float]
-    output_tokens: int
+    output_tokens: Optional[int]
     text: str
     arrivals: List[float] = field(default_factory=list)
 
@@ -76,8 +76,27 @@ class Client:
     url: str
     tokenizer: Any
     max_tokens: int
-    rows: List[Row] = field(default_factory=list)
     seen: List[List[int]] = field(default_factory=list)
+    _rows: List[Row] = field(default_factory=list)
+    # Rows whose novel-token count is still to work out: tokenizing and
+    # comparing with every earlier request takes milliseconds of this event
+    # loop's time, which would delay the timestamps of concurrent requests.
+    _unsettled: List[tuple] = field(default_factory=list)
+
+    @property
+    def rows(self) -> List[Row]:
+        for row, messages, ids in self._unsettled:  # in the order they ended
+            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            reusable = max((common_prefix(prompt_ids, s) for s in self.seen), default=0)
+            if ids is None:  # streamed: the reply re-tokenized, an approximation
+                ids = self.tokenizer.encode(row.text, add_special_tokens=False)
+            self.seen.append(prompt_ids + ids)
+            row.novel = len(prompt_ids) - reusable
+            row.prompt = row.prompt if row.prompt is not None else len(prompt_ids)
+            row.output_tokens = (row.output_tokens if row.output_tokens is not None
+                                 else len(ids))
+        self._unsettled.clear()
+        return self._rows
 
     async def chat(self, session, messages, extra=None, record=True, stream=False) -> Row:
         """One request. Non-streaming (the default) asks for logprobs, whose
@@ -115,24 +134,21 @@ class Client:
                             parts.append(piece)
         total = time.perf_counter() - start
         text = "".join(parts)
-        prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        reusable = max((common_prefix(prompt_ids, s) for s in self.seen), default=0)
-        if ids is None:  # streamed: the reply re-tokenized, an approximation
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.seen.append(prompt_ids + ids)
         row = Row(
-            prompt=usage["prompt_tokens"] if usage else len(prompt_ids),
+            prompt=usage["prompt_tokens"] if usage else None,
             cached=(usage or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            novel=len(prompt_ids) - reusable,
+            novel=None,  # settled when `rows` is read
             ttft=first,
             total=total,
             last=last,
             arrivals=arrivals,
-            output_tokens=usage["completion_tokens"] if usage else len(ids),
+            output_tokens=usage["completion_tokens"] if usage else None,
             text=text,
         )
+        # (A copy: conversations grow after the request.)
+        self._unsettled.append((row, list(messages), ids))
         if record:
-            self.rows.append(row)
+            self._rows.append(row)
         return row
 
 

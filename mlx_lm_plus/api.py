@@ -278,7 +278,7 @@ class Server:
             loop = asyncio.get_running_loop()
             if request.path == "/v1/cache/stats":
                 return self.json_response(
-                    request, await loop.run_in_executor(None, self.engine.store.snapshot))
+                    request, await loop.run_in_executor(None, self.engine.cache_snapshot))
             if request.path == "/v1/stats":
                 cache = await loop.run_in_executor(None, self.cache_stats)
                 return self.json_response(request, self.stats(request.query, cache))
@@ -321,7 +321,7 @@ class Server:
     def cache_stats(self) -> dict:
         """The store's part of /v1/stats (off the loop: the store's lock is
         the generation thread's too)."""
-        out = {"cache": self.engine.store.snapshot()}
+        out = {"cache": self.engine.cache_snapshot()}
         if self.metrics is not None:
             out["entries"] = cache_entries(self.engine.store)
         return out
@@ -346,6 +346,9 @@ class Server:
                 "thread_seconds": {k: round(v, 6) for k, v in
                                    getattr(engine, "thread_seconds", {}).items()},
                 "admitted_requests": getattr(engine, "admitted", None),
+                # Of them, planned on the generation thread: the model was
+                # not loaded yet, another was named, or images.
+                "planned_at_admission": getattr(engine, "planned_at_admission", None),
                 "generated_tokens": getattr(engine, "tokens_out", None),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
@@ -1003,7 +1006,7 @@ def _sample_every_second(metrics: Metrics):
                 try:
                     # The store's snapshot off the loop (its lock is the
                     # generation thread's too); the point is added on it.
-                    cache = await running.run_in_executor(None, metrics.engine.store.snapshot)
+                    cache = await running.run_in_executor(None, metrics.engine.cache_snapshot)
                     metrics.sample(cache)
                 except Exception:
                     logging.exception("Metrics sample failed")

@@ -66,6 +66,10 @@ from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batchin
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
+# A checkpoint is stored only this many tokens or more after the previous one
+# (or the cached prefix): fewer are cheaper to recompute than a model call of
+# their own. (16 cost the branch workload 11% more recomputation.)
+MIN_SEGMENT_TOKENS = 4
 # What Engine._prepare returns for a request _Batch.park held back.
 PARKED = object()
 # A request waits for another one in the batch to store a checkpoint it shares
@@ -233,6 +237,7 @@ class Engine:
         # their requests, stores at checkpoints and at a request's end).
         self.thread_seconds = {"model": 0.0, "admission": 0.0, "outside_model": 0.0}
         self.admitted = 0  # requests admitted
+        self.planned_at_admission = 0  # of them, planned on this thread (not before)
         self.tokens_out = 0  # tokens generated
         self.metrics = None  # a metrics.Metrics, set by the app
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
@@ -312,7 +317,7 @@ class Engine:
         logging.shutdown()
         self.exit_process(HANG_EXIT_STATUS)
 
-    def _relieve_memory(self):
+    def relieve_memory(self):
         """After an allocation failure: give back half the prompt cache and
         MLX's buffer cache, so the next request has room."""
         self.store.trim_to(self.store.nbytes // 2, to_disk=False)
@@ -404,7 +409,11 @@ class Engine:
         self._clear_buffers = True
         return self.store.snapshot()
 
-    def _observe(self, histogram: str, value: float):
+    def cache_snapshot(self) -> Dict[str, Any]:
+        """The prompt cache's figures (safe from any thread)."""
+        return self.store.snapshot()
+
+    def observe(self, histogram: str, value: float):
         """A rare event for the metrics (a removal, a vision tower call)."""
         if self.metrics is not None:
             getattr(self.metrics, histogram).observe(value)
@@ -442,7 +451,7 @@ class Engine:
 
     # -- distributed hand-off (rank 0 reads HTTP requests, all ranks compute) --
 
-    def _share_object(self, obj):
+    def share_object(self, obj):
         if not self._is_distributed:
             return obj
         if self._rank == 0:
@@ -465,7 +474,7 @@ class Engine:
             try:
                 if timeout is not None:
                     request = self.requests.get(timeout=timeout)
-                else:
+                elif self.requests.queue:  # (a look without the lock, every step)
                     request = self.requests.get_nowait()
             except Empty:
                 pass
@@ -474,7 +483,7 @@ class Engine:
         # A collective: it waits for every rank (a dead one hangs it).
         self._beat("sharing requests with the other ranks")
         # The channel stays on rank 0; the other ranks get a sink.
-        shared = self._share_object(request[1:] if request is not None else None)
+        shared = self.share_object(request[1:] if request is not None else None)
         if shared is None:
             return None
         channel = request[0] if request is not None else Channel()
@@ -559,6 +568,7 @@ class Engine:
         planned = getattr(request, "planned", None)
         request.planned = None
         if planned is None or planned.model_key != self.model_provider.model_key:
+            self.planned_at_admission += 1
             try:
                 plan = self._build_plan(tokenizer, self.model_provider.processor, request, args)
             finally:
@@ -672,7 +682,7 @@ class Engine:
                 checkpoints=checkpoints, on_checkpoint=store_checkpoint,
                 progress=self._prefill_progress(channel, cache),
             )
-            self._observe("vision_seconds", time.perf_counter() - tic)
+            self.observe("vision_seconds", time.perf_counter() - tic)
         return cache, reused, cached
 
     def _prefill_progress(self, channel, cache):
@@ -753,7 +763,7 @@ class Engine:
         found = self.store.fetch(self.model_provider.model_key, key)
         return found.cache, found.cached
 
-    def _log_store(self):
+    def log_store(self):
         s = self.store.snapshot()
         logging.info(
             f"Prompt cache: {s['entries']} entries ({s['sequences']} sequences), "
@@ -840,7 +850,7 @@ class Engine:
                     self._forget(request[0])
                     error = request_error(e, "admitting the request")
                     if isinstance(error, OutOfMemory):
-                        self._relieve_memory()
+                        self.relieve_memory()
                     request[0].put(error)
                 finally:
                     self._admitting = None
@@ -914,7 +924,7 @@ class Engine:
             finally:
                 self._current = None
             return False
-        self._batch = _Batch(self, model, tokenizer, stream)
+        self._batch = _Batch(self, model, tokenizer, stream, self._keep_checkpoints(model))
         self._pending.append(request)
         return False
 
@@ -1048,7 +1058,7 @@ class Engine:
                         mx.array(rest), pixel_values=pixel_values
                     )
                     mx.eval(input_embeddings)
-                    self._observe("vision_seconds", time.perf_counter() - tic)
+                    self.observe("vision_seconds", time.perf_counter() - tic)
 
             stop_matcher = stop_sequences.matcher()
             seconds = self.thread_seconds
@@ -1108,10 +1118,10 @@ class Engine:
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
-            self._log_store()
+            self.log_store()
         except _Cancelled:
             channel.removed()
-            self._observe("removal_seconds", channel.removed_at - channel.cancelled_at)
+            self.observe("removal_seconds", channel.removed_at - channel.cancelled_at)
             logging.info(
                 "Stopped the prefill of a cancelled request, "
                 f"{(channel.removed_at - channel.cancelled_at) * 1000:.1f} ms after "
@@ -1122,7 +1132,7 @@ class Engine:
             error = request_error(e, "generating")
             if isinstance(error, OutOfMemory):
                 cache = None
-                self._relieve_memory()
+                self.relieve_memory()
             channel.put(error)
 
 
@@ -1153,13 +1163,16 @@ class Engine:
 class _Batch:
     """A BatchGenerator and the requests in it, for one model."""
 
-    def __init__(self, engine: Engine, model, tokenizer, stream):
+    def __init__(self, engine: Engine, model, tokenizer, stream, keep_checkpoints: bool):
+        # What it uses of the engine: store, cli_args, model_provider.model_key,
+        # the counters (steps, tokens_out, thread_seconds), share_object,
+        # observe, log_store and relieve_memory.
         self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
         self.stream = stream
         self.model_key = engine.model_provider.model_key
-        self.keep_checkpoints = engine._keep_checkpoints(model)
+        self.keep_checkpoints = keep_checkpoints
         self.results: Dict[int, Dict[str, Any]] = {}
         self._outbox = []  # (channel, event) of the step running
         self._samplers = {}  # sampling settings -> sampler (see _sampler)
@@ -1285,7 +1298,7 @@ class _Batch:
             for uid, r in self.results.items()
             if r["ctx"]._should_stop or r["channel"].cancelled
         ]
-        stopped = engine._share_object(stopped)
+        stopped = engine.share_object(stopped)
         if not stopped:
             return
         # Work done for a request in decode stays useful: its cache covers
@@ -1310,7 +1323,7 @@ class _Batch:
             channel.removed()
             if channel.cancelled_at is not None:
                 waits.append(channel.removed_at - channel.cancelled_at)
-                engine._observe("removal_seconds", waits[-1])
+                engine.observe("removal_seconds", waits[-1])
         del kept
         logging.info(
             f"Removed {len(stopped)} cancelled request(s) from the batch"
@@ -1378,7 +1391,7 @@ class _Batch:
                     self._outbox.append((result["channel"], InternalError(
                         f"Structured output failed: {constraint.error}")))
                 self._outbox.append((result["channel"], None))
-                engine._log_store()
+                engine.log_store()
                 del self.results[r.uid]
                 self._unpark(r.uid)
         return True
@@ -1455,7 +1468,7 @@ class _Batch:
         except Exception:
             pass
         if isinstance(error, OutOfMemory):
-            self.engine._relieve_memory()
+            self.engine.relieve_memory()
         self._new_generator()
 
     def owned_nbytes(self) -> int:
@@ -1494,7 +1507,9 @@ def _format_top_logprobs(logprobs, top_n, tokenizer):
 
 
 def _drop_cached(segments, segment_types, n):
-    """Remove the first `n` tokens (found in the cache) from the segments."""
+    """Remove the first `n` tokens (found in the cache) from the segments,
+    and the boundaries that would end a segment shorter than
+    MIN_SEGMENT_TOKENS (the segment joins the next one)."""
     segments, segment_types = list(segments), list(segment_types)
     while n > 0 and segments:
         if n >= len(segments[0]):
@@ -1503,4 +1518,15 @@ def _drop_cached(segments, segment_types, n):
         else:
             segments[0] = segments[0][n:]
             break
+    # Each segment is a model call of its own: a checkpoint a token or two
+    # after the previous one (in a multi-turn conversation, the divergence
+    # point one token past the cached end of the last turn) costs more than
+    # the tokens it saves.
+    i = 0
+    while i < len(segments) - 1:
+        if len(segments[i]) < MIN_SEGMENT_TOKENS:
+            segments[i : i + 2] = [segments[i] + segments[i + 1]]
+            del segment_types[i]
+        else:
+            i += 1
     return segments, segment_types

@@ -193,3 +193,23 @@ def test_rows_with_the_same_sampling_share_one_sampler(runner):
     assert batch._sampler(args(0.7)) is warm
     assert batch._sampler(args(0.7, top_p=0.9)) is not warm
     assert batch._sampler(args(0.7, xtc=0.5)) is not batch._sampler(args(0.7, xtc=0.5))
+
+
+def test_a_checkpoint_a_token_past_the_previous_one_is_not_its_own_segment():
+    """Each segment is a model call: one shorter than MIN_SEGMENT_TOKENS joins
+    the next (its checkpoint is dropped), the tokens and the other
+    checkpoints stay as they were, and the last segment is never merged."""
+    from mlx_lm_plus.engine import MIN_SEGMENT_TOKENS, _drop_cached
+
+    tokens = list(range(40))
+    segments = [tokens[:10], tokens[10:11], tokens[11:30], tokens[30:38], tokens[38:]]
+    kinds = ["system", "checkpoint", "checkpoint", "checkpoint", "prompt"]
+    assert MIN_SEGMENT_TOKENS > 2
+    out, out_kinds = _drop_cached(segments, kinds, 0)
+    assert sum(out, []) == tokens
+    assert [len(s) for s in out] == [10, 20, 8, 2]
+    assert out_kinds == ["system", "checkpoint", "checkpoint", "prompt"]
+    # The cached prefix counts too: a segment cut short by it joins the next.
+    out, out_kinds = _drop_cached(segments, kinds, 9)
+    assert sum(out, []) == tokens[9:]
+    assert [len(s) for s in out] == [21, 8, 2] and out_kinds == ["checkpoint"] * 2 + ["prompt"]

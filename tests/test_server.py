@@ -331,3 +331,18 @@ def test_sigterm_finishes_short_requests_cuts_long_ones_and_exits_0(fixture_path
         assert "Server stopped" in text
     finally:
         s.stop()
+
+
+def test_prompts_are_planned_before_the_generation_thread(server):
+    """Once the model is loaded, a text request's template, tokenizing and
+    boundaries are done on the planning thread: the generation thread plans
+    none of them (it would stall every running stream meanwhile)."""
+    assert chat(server, user("Warm up."), max_tokens=2)[0] == 200
+    before = server.get("/v1/stats")[1]["engine"]
+    for i in range(3):
+        status, body = chat(server, user(f"Question {i}?"), max_tokens=2,
+                            response_format={"type": "json_object"} if i == 2 else None)
+        assert status == 200, body
+    after = server.get("/v1/stats")[1]["engine"]
+    assert after["admitted_requests"] == before["admitted_requests"] + 3
+    assert after["planned_at_admission"] == before["planned_at_admission"]

@@ -1,0 +1,70 @@
+"""What planning a prompt costs: build_prompt (template, tokens, checkpoint
+boundaries) against one apply_chat_template(tokenize=True), the least any
+server does, on multi-turn conversations of growing size.
+
+    python -m benchmarks.planning --model-kind qwen3_5 --tokens 1700 20000
+"""
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from mlx_lm.server import CompletionRequest
+from mlx_lm.utils import load_tokenizer
+
+from benchmarks.harness import add_model_args, fixture_or_model
+from mlx_lm_plus.prompt import build_prompt
+from tests.fixtures import WORDS
+
+
+def conversation(tokenizer, target: int, seed: int = 0):
+    """System, then user and assistant turns until about `target` tokens."""
+    rng = random.Random(seed)
+
+    def text(n):
+        return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+    messages = [{"role": "system", "content": "You are a helpful assistant. " + text(40)}]
+    while True:
+        messages.append({"role": "user", "content": text(rng.randint(20, 120))})
+        n = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if n >= target:
+            return messages, n
+        messages.append({"role": "assistant", "content": text(rng.randint(40, 200))})
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, "qwen3_5")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1700, 20000])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(Path(fixture_or_model(args, Path(tempfile.mkdtemp()))))
+    for target in args.tokens:
+        messages, n = conversation(tokenizer, target)
+        request = CompletionRequest("chat", "", messages, None, None)
+        plan = build_prompt(tokenizer, None, request, {})
+        ours = timed(lambda: build_prompt(tokenizer, None, request, {}), args.repeats)
+        once = timed(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                     args.repeats)
+        print(f"{n} tokens, {len(messages)} messages, segments "
+              f"{[len(s) for s in plan.segments]}: build_prompt {ours * 1e3:.2f} ms, "
+              f"one apply_chat_template {once * 1e3:.2f} ms ({ours / once:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
