@@ -23,11 +23,15 @@ BatchGenerator; the others are served one at a time by `_serve_single` with
   * a request whose client went away (`ctx.stop()`) leaves the batch at the
     next step wherever it is, queued, in prefill or in decode;
   * an exception inside a batch step fails the requests of that batch, not the
-    thread: the batch is rebuilt and later requests are served.
+    thread: the batch is rebuilt and later requests are served;
+  * prompts arrive planned (`Engine.plan`, on the HTTP layer's planning
+    thread): this thread only looks them up in the store and runs the model;
+  * a request that shares a prefix not cached yet with a request in the
+    batch about to store a checkpoint there waits for it (`_Batch.park`);
+  * a step's events go to their channels in one hand-off (`deliver`).
 """
 
 import copy
-import dataclasses
 import gc
 import itertools
 import logging
@@ -36,7 +40,7 @@ import pickle
 import time
 from queue import Empty, Queue
 from threading import Thread
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -598,8 +602,8 @@ class Engine:
     def _split(plan: PromptPlan, depth: int):
         if not 0 < depth < len(plan.tokens) - 1:
             return plan.segments, plan.segment_types
-        split = dataclasses.replace(plan, segments=list(plan.segments),
-                                    segment_types=list(plan.segment_types))
+        split = replace(plan, segments=list(plan.segments),
+                        segment_types=list(plan.segment_types))
         split_at(split, depth)
         return split.segments, split.segment_types
 

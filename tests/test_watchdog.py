@@ -15,11 +15,16 @@ def chat(text, **kw):
     return {"messages": [{"role": "user", "content": text}], "max_tokens": 3, **kw}
 
 
-def test_stuck_step_answers_everyone_and_exits(fixture_path, tmp_path):
+def hanging_server(fixture_path, tmp_path, grace=3):
+    """tests/hanging_server.py on the qwen3 fixture, --step-timeout 1.5."""
     command = [sys.executable, "-m", "tests.hanging_server"]
     argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
-            "--watchdog-grace", "3"]
-    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+            "--watchdog-grace", str(grace)]
+    return ServerProcess(command, argv, log=tmp_path / "server.log")
+
+
+def test_stuck_step_answers_everyone_and_exits(fixture_path, tmp_path):
+    with hanging_server(fixture_path, tmp_path) as server:
         assert server.post("/v1/chat/completions", chat("fine"))[0] == 200
         answers = {}
 
@@ -59,10 +64,7 @@ def test_stuck_step_answers_everyone_and_exits(fixture_path, tmp_path):
 def test_stuck_admission_answers_the_request_being_admitted(fixture_path, tmp_path):
     """The request the generation thread is admitting (planning, image
     prefill) is held nowhere else: the watchdog must still answer it."""
-    command = [sys.executable, "-m", "tests.hanging_server"]
-    argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
-            "--watchdog-grace", "3"]
-    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+    with hanging_server(fixture_path, tmp_path) as server:
         status, _, body = server.request("POST", "/v1/chat/completions",
                                          chat("HANG_ADMIT please"), timeout=60)
         assert status == 503 and "admitting a request" in json.loads(body)["error"]
@@ -73,10 +75,7 @@ def test_stuck_planning_is_a_hang_too(fixture_path, tmp_path):
     """Prompts are planned on their own thread before they reach the engine:
     a plan that never ends is watched like a stuck step (/health 503, every
     waiting request answered 503, then the exit for the supervisor)."""
-    command = [sys.executable, "-m", "tests.hanging_server"]
-    argv = ["--model", str(fixture_path("qwen3")), "--step-timeout", "1.5",
-            "--watchdog-grace", "4"]
-    with ServerProcess(command, argv, log=tmp_path / "server.log") as server:
+    with hanging_server(fixture_path, tmp_path, grace=4) as server:
         assert server.post("/v1/chat/completions", chat("fine"))[0] == 200
         results = {}
 
