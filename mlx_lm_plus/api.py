@@ -491,12 +491,18 @@ class Server:
             return
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._planner, plan, parsed.request, parsed.args)
-        # A plan stuck for good (the watchdog then takes the engine down):
-        # the requests waiting for the planning thread get a 503 too.
-        while not (await asyncio.wait({future}, timeout=1.0))[0]:
-            if not self.engine.is_healthy:
-                raise EngineUnavailable(
-                    f"Generation engine unavailable: {self.engine.unhealthy_reason}")
+        try:
+            # A plan stuck for good (the watchdog then takes the engine down):
+            # the requests waiting for the planning thread get a 503 too.
+            while not (await asyncio.wait({future}, timeout=1.0))[0]:
+                if not self.engine.is_healthy:
+                    raise EngineUnavailable(
+                        f"Generation engine unavailable: {self.engine.unhealthy_reason}")
+        except BaseException:
+            # The client went away (or the engine did): a plan not started
+            # yet is dropped, not made in front of live requests.
+            future.cancel()
+            raise
         try:
             parsed.request.planned = future.result()
         except PromptError as e:

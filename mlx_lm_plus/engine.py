@@ -1417,8 +1417,10 @@ class _Batch:
             for end in reversed(r["ends"]):
                 if best is not None and end <= best[1]:
                     break
+                prefix = r["key_prefix"]
                 if (cached + PARK_MIN_TOKENS <= end < len(key)
-                        and key[:end] == r["key_prefix"][:end]):
+                        and key[end - 1] == prefix[end - 1]  # (a cheap refusal first)
+                        and key[:end] == prefix[:end]):
                     best = (uid, end)
                     break
         if best is None:

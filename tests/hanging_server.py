@@ -9,16 +9,16 @@ import time
 from mlx_lm_plus import engine
 from mlx_lm_plus.server import main
 
-_prepare, _step, _plan = engine.Engine._prepare, engine._Batch.step, engine.Engine.plan
+_prepare, _step = engine.Engine._prepare, engine._Batch.step
+_build_plan = engine.Engine._build_plan
 hang = []
 
 
-def plan(self, request, args):
+def build_plan(self, tokenizer, processor, request, args):
     text = str(request.messages[-1].get("content")) if request.messages else ""
     if "HANG_PLAN" in text:  # a template that never finishes, say
-        self._planning_since = time.monotonic()
         time.sleep(3600)
-    return _plan(self, request, args)
+    return _build_plan(self, tokenizer, processor, request, args)
 
 
 def prepare(self, channel, request, args, *rest, **kw):
@@ -36,7 +36,8 @@ def step(self):
     return _step(self)
 
 
-engine.Engine._prepare, engine._Batch.step, engine.Engine.plan = prepare, step, plan
+engine.Engine._prepare, engine._Batch.step = prepare, step
+engine.Engine._build_plan = build_plan
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -13,7 +13,7 @@ from mlx_lm.server import Response
 
 from mlx_lm_plus import engine as engine_module
 from mlx_lm_plus.engine import InternalError, OutOfMemory
-from tests.engine_harness import EngineRunner
+from tests.engine_harness import Collect, EngineRunner
 
 LONG = " ".join(f"Line {i} is about trains, stations and tickets." for i in range(30))
 
@@ -213,3 +213,24 @@ def test_a_checkpoint_a_token_past_the_previous_one_is_not_its_own_segment():
     out, out_kinds = _drop_cached(segments, kinds, 9)
     assert sum(out, []) == tokens[9:]
     assert [len(s) for s in out] == [21, 8, 2] and out_kinds == ["checkpoint"] * 2 + ["prompt"]
+
+
+def test_a_plan_made_before_admission_is_used_as_it_is(runner):
+    """Engine.plan (the HTTP layer's planning thread) hands the generation
+    thread a finished plan: it is not planned again, and the reply is the
+    one it plans itself."""
+    from mlx_lm_plus.validation import parse_request
+
+    body = chat("Plan me once, please.", max_tokens=6)
+    alone, _, _ = runner.run(body)  # planned at admission (no planning thread here)
+    engine = runner.engine
+    planned_here = engine.planned_at_admission
+    assert planned_here >= 1
+    parsed = parse_request("/v1/chat/completions", {"max_tokens": 10, **body}, runner.args)
+    parsed.request.planned = engine.plan(parsed.request, parsed.args)
+    assert parsed.request.planned is not None
+    channel = Collect()
+    engine.submit(channel, parsed.request, parsed.args)
+    tokens, _ = channel.result()
+    assert tokens == alone
+    assert engine.planned_at_admission == planned_here
