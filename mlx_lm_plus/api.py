@@ -326,12 +326,11 @@ class Server:
             out["entries"] = cache_entries(self.engine.store)
         return out
 
-    def stats(self, query=None, cache=None) -> dict:
+    def stats(self, query, cache) -> dict:
         """/v1/stats: engine, memory and cache now; with metrics on, the
         recent requests (`?since=T`: only those ended after T, `?limit=N`),
         the time series and the cache entries. `cache`: cache_stats()."""
         query = query or {}
-        cache = cache or self.cache_stats()
         engine = self.engine
         stats = {
             "engine": {
@@ -641,7 +640,7 @@ class Server:
                 # tower): a stream gets keepalives, as during prefill.
                 if parsed.stream:
                     opened = opened or await self._open_stream(request)
-                    await opened.write(f": keepalive {first[0]}/{first[1]}\n\n".encode())
+                    await opened.write(_keepalive(first))
                 first = await channel.get()
             if isinstance(first, Exception) and opened is not None:
                 track.error = str(first)
@@ -708,15 +707,14 @@ class Server:
         pending = []  # frames that arrived together go out in one write
         try:
             while True:
-                if pending and not channel.ready():
-                    await response.write(b"".join(pending))
-                    pending.clear()
+                if not channel.ready():
+                    await _write_all(response, pending)
                 item = await channel.get()
                 if item is None:
                     break
                 if isinstance(item, tuple):
                     if response is not None:
-                        pending.append(f": keepalive {item[0]}/{item[1]}\n\n".encode())
+                        pending.append(_keepalive(item))
                     continue
                 if isinstance(item, Exception):
                     status = 503 if isinstance(item, EngineUnavailable) else 500
@@ -727,7 +725,7 @@ class Server:
                     logging.error(f"Generation failed mid-stream: {item}")
                     track.error = str(item)
                     pending.append(exchange.stream_error(str(item), status))
-                    await response.write(b"".join(pending))
+                    await _write_all(response, pending)
                     return response
                 if track.first is None:
                     track.first = time.perf_counter()
@@ -737,12 +735,9 @@ class Server:
                         if response is not None and frames:
                             pending.append(frames)
                 except Exception:
-                    if pending:  # what came before the failure still goes out
-                        await response.write(b"".join(pending))
+                    await _write_all(response, pending)  # what came before still goes out
                     raise
-            if pending:
-                await response.write(b"".join(pending))
-                pending.clear()
+            await _write_all(response, pending)
             assembler.finish()
             frames = exchange.delta(*assembler.take_delta())
             completion = Completion(
@@ -837,19 +832,16 @@ class Server:
         # busy) go out in one write.
         pending = []
         while True:
-            if pending and not channel.ready():
-                await response.write(b"".join(pending))
-                pending.clear()
+            if not channel.ready():
+                await _write_all(response, pending)
             item = await channel.get()
             if item is None:
                 break
             if isinstance(item, Exception):
-                if pending:
-                    await response.write(b"".join(pending))
+                await _write_all(response, pending)
                 return await fail(item)
             if isinstance(item, tuple):
-                done, total = item
-                pending.append(f": keepalive {done}/{total}\n\n".encode())
+                pending.append(_keepalive(item))
                 continue
             if track.first is None:
                 track.first = time.perf_counter()
@@ -862,8 +854,7 @@ class Server:
                         pending.append(_sse(builder.response(
                             text, None, tool_calls=tool_calls, reasoning_text=reasoning)))
             except Exception:
-                if pending:  # what came before the failure still goes out
-                    await response.write(b"".join(pending))
+                await _write_all(response, pending)  # what came before still goes out
                 raise
 
         assembler.finish()
@@ -875,7 +866,7 @@ class Server:
             pending.append(_sse(builder.usage_response(
                 len(ctx.prompt), len(assembler.tokens), ctx.prompt_cache_count)))
         pending.append(b"data: [DONE]\n\n")
-        await response.write(b"".join(pending))
+        await _write_all(response, pending)
         return response
 
 
@@ -895,6 +886,19 @@ def _parse_body(raw: bytes):
 
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _keepalive(progress) -> bytes:
+    """The SSE comment sent for (done, total) prefill progress."""
+    return f": keepalive {progress[0]}/{progress[1]}\n\n".encode()
+
+
+async def _write_all(response, pending: List[bytes]) -> None:
+    """Write the frames gathered so far (those that arrived together) as one
+    write, and forget them."""
+    if pending:
+        await response.write(b"".join(pending))
+        pending.clear()
 
 
 async def inline_remote_images(req, cli_args) -> None:

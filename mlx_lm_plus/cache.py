@@ -159,6 +159,16 @@ class _Node:
         self.below = 0
 
 
+def _path_spans(node: _Node) -> List[Tuple["Span", int]]:
+    """(span, its tokens) of the KV along the path from the root to `node`:
+    all of an entry's shared KV, in order."""
+    path = []
+    while node is not None:
+        path.append(node.kv)
+        node = node.parent
+    return [(span, span.ntokens) for kv in reversed(path) for span in kv]
+
+
 def _measure() -> Tuple[int, int]:
     """Fixed bytes per node and per entry, beside the edges' token buffers:
     the objects the store creates for them, measured once."""
@@ -241,6 +251,12 @@ def compact(cache: List[Any]) -> List[Any]:
     return cache
 
 
+def _extra(layer) -> Dict[str, Any]:
+    """A plain KV layer's attributes beside keys, values and offset (such as
+    vision.MRopeKVCache's rope_delta)."""
+    return {k: v for k, v in vars(layer).items() if k not in ("keys", "values", "offset")}
+
+
 class StoredKV(QuantizedKVCache):
     """A plain KV layer as a quantized store holds it: QuantizedKVCache's
     (packed, scales, biases) keys and values (so its `nbytes`, `trim` and
@@ -251,8 +267,7 @@ class StoredKV(QuantizedKVCache):
     def __init__(self, layer: KVCache, bits: int, group_size: int):
         super().__init__(group_size=group_size, bits=bits)
         self.layer_class = type(layer)
-        self.extra = {k: v for k, v in vars(layer).items()
-                      if k not in ("keys", "values", "offset")}
+        self.extra = _extra(layer)
         self.dtype = layer.keys.dtype
         self.offset = n = layer.offset
         self.keys = mx.quantize(layer.keys[..., :n, :], group_size, bits)
@@ -262,17 +277,12 @@ class StoredKV(QuantizedKVCache):
         """A new layer of the original class, `trim` tokens shorter: only
         the tokens kept are dequantized (into new arrays; nothing shared)."""
         n = self.offset - min(trim, self.offset)
-        layer = self.layer_class.__new__(self.layer_class)
-        layer.__dict__.update(copy.deepcopy(self.extra))
+        keys, values = (tuple(x[..., :n, :] for x in q) for q in (self.keys, self.values))
+        return self.shell().restore(keys, values, n)
 
-        def dequantize(q):
-            w, scales, biases = (x[..., :n, :] for x in q)
-            return mx.dequantize(w, scales, biases, self.group_size, self.bits,
-                                 dtype=self.dtype)
-
-        layer.keys, layer.values = dequantize(self.keys), dequantize(self.values)
-        layer.offset = n
-        return layer
+    def shell(self) -> "SharedKV":
+        """This layer as an entry holds it when the tree's edges hold its KV."""
+        return SharedKV(self.layer_class, self.extra, self.dtype, self.bits, self.group_size)
 
 
     @classmethod
@@ -645,12 +655,11 @@ class PromptStore:
                 pos += take
         return spans
 
-    def _layers(self, model, key: array, n: int, entry: Entry, trim: int, whole: bool):
-        """The entry's layers holding the first n tokens of `key` (an entry's
-        key, or one sharing n tokens with it): shared layers from the spans
-        along the path (whole: as an unshared store held them, for the disk
-        tier), its own layers deep copied and `trim` tokens shorter."""
-        spans = self._spans_along(model, key, n) if self._layouts[model] else []
+    def _layers(self, spans, n: int, entry: Entry, trim: int, whole: bool):
+        """The entry's layers holding n tokens: shared layers joined from
+        `spans` ((span, tokens of it used) along the path; whole: as an
+        unshared store held them, for the disk tier), its own layers deep
+        copied and `trim` tokens shorter."""
         out, j = [], 0
         for layer in entry.cache:
             if isinstance(layer, SharedKV):
@@ -668,14 +677,14 @@ class PromptStore:
     def _materialize(self, model, key: array, n: int, entry: Entry, trim: int = 0):
         """A private copy of `entry`'s cache holding the first n tokens of
         `key` (new arrays: nothing the store holds is handed out)."""
-        return self._layers(model, key, n, entry, trim, whole=False)
+        spans = self._spans_along(model, key, n) if self._layouts[model] else []
+        return self._layers(spans, n, entry, trim, whole=False)
 
-    def _whole(self, model, entry: Entry) -> List[Any]:
+    def _whole(self, entry: Entry) -> List[Any]:
         """The entry as one cache in stored form (StoredKV layers under
         quantized storage; its own layers not copied): what the disk tier
         writes. Lazy: the joins run when the tier evaluates them."""
-        key = array(_TOKENS, entry.key)
-        return self._layers(model, key, len(key), entry, 0, whole=True)
+        return self._layers(_path_spans(entry.node), entry.ntokens, entry, 0, whole=True)
 
     def stored_cache(self, entry: Entry) -> Optional[List[Any]]:
         """The entry's cache in stored form, evaluated (for tests and tools);
@@ -684,7 +693,7 @@ class PromptStore:
             model = self._entries.get(entry)
             if model is None:
                 return None
-            cache = self._whole(model, entry)
+            cache = self._whole(entry)
         mx.eval([c.state for c in cache])
         return cache
 
@@ -795,15 +804,13 @@ class PromptStore:
             if isinstance(c, StoredKV):
                 if c.offset != n:
                     return None, None, None
-                shell = SharedKV(c.layer_class, c.extra, c.dtype, c.bits, c.group_size)
+                shell = c.shell()
                 source = (tuple(c.keys), tuple(c.values), None)  # quantized already
             elif is_plain_kv(c):
                 if c.keys is None or c.offset != n:
                     return None, None, None
                 bits = self.bits if _quantizable(c, self.group_size) else None
-                extra = {k: v for k, v in vars(c).items()
-                         if k not in ("keys", "values", "offset")}
-                shell = SharedKV(type(c), extra, c.keys.dtype, bits, self.group_size)
+                shell = SharedKV(type(c), _extra(c), c.keys.dtype, bits, self.group_size)
                 source = (c.keys, c.values, bits)
             else:
                 layers.append(c)
@@ -1004,7 +1011,7 @@ class PromptStore:
                 if reason in _TO_DISK and entry.node.below == 0 and not self._no_spill
                 else None)
         if tier is not None:  # while the node's path still spells it and holds its KV
-            whole = self._whole(self._entries[entry], entry)
+            whole = self._whole(entry)
             self._spills.append((tier, list(entry.key), whole, entry.kind))
         model = self._entries.pop(entry)
         node, entry.node = entry.node, None
@@ -1088,8 +1095,8 @@ class PromptStore:
         self._spill()
         with self._lock:
             order = sorted(self._entries.items(), key=lambda em: -em[0].last_used)
-            jobs = [(self._disks[m], list(e.key), self._whole(m, e), e.kind,
-                     e.nbytes + self._path_bytes(m, e))
+            jobs = [(self._disks[m], list(e.key), self._whole(e), e.kind,
+                     e.nbytes + self._path_bytes(e))
                     for e, m in order if m in self._disks]
             tiers = list(dict.fromkeys(self._disks.values()))
         saved = 0
@@ -1147,11 +1154,9 @@ class PromptStore:
             alone = node is not None and not node.children
             return entry.nbytes + (sum(s.nbytes for s in node.kv) if alone else 0)
 
-    def _path_bytes(self, model, entry: Entry) -> int:
+    def _path_bytes(self, entry: Entry) -> int:
         """The KV bytes of the spans along the entry's key."""
-        n = entry.ntokens
-        return sum(s.nbytes * take // s.ntokens for s, take in
-                   self._spans_along(model, array(_TOKENS, entry.key), n)) if n else 0
+        return sum(s.nbytes for s, _ in _path_spans(entry.node))
 
     # -- reporting --
 

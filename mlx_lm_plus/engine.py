@@ -212,7 +212,7 @@ class Engine:
         self.store = store
         self.requests = Queue()
         self._state_machines = {}
-        self._checkpoint_models = {}
+        self._model_facts = {}  # (model key, what) -> see _per_model
         group = mx.distributed.init()
         self._is_distributed = group.size() > 1
         self._rank = group.rank()
@@ -584,13 +584,6 @@ class Engine:
                               self._constraint(request, tokenizer, plan))
         return planned
 
-    def _segments(self, plan: PromptPlan):
-        """The plan's segments, plus a divergence checkpoint: where this prompt
-        leaves the paths already in the store (an edit or regeneration inside
-        a message), so the next variant of the same branch can resume there.
-        Depends on the store, so it is found at admission (a trie walk)."""
-        return self._split(plan, self._shared_depth(plan))
-
     def _shared_depth(self, plan: PromptPlan) -> int:
         """How far the store's paths follow this prompt (not into an image)."""
         depth = self.store.shared_depth(self.model_provider.model_key, plan.cache_key)
@@ -600,6 +593,11 @@ class Engine:
 
     @staticmethod
     def _split(plan: PromptPlan, depth: int):
+        """The plan's segments, plus a divergence checkpoint at `depth`: where
+        this prompt leaves the paths already in the store (an edit or
+        regeneration inside a message), so the next variant of the same
+        branch can resume there. Depends on the store, so it is found at
+        admission (a trie walk)."""
         if not 0 < depth < len(plan.tokens) - 1:
             return plan.segments, plan.segment_types
         split = replace(plan, segments=list(plan.segments),
@@ -618,7 +616,8 @@ class Engine:
             self.model_provider.is_batchable
             and args.seed is None
             and (self.cli_args.kv_bits is None
-                 or supports_quantized_batching(self.model_provider.model))
+                 or self._per_model("quantized batching", lambda: supports_quantized_batching(
+                     self.model_provider.model)))
             and (not has_images or self._vision is not None)
         )
 
@@ -790,11 +789,16 @@ class Engine:
         self.store.insert(self.model_provider.model_key, key, cache, kind,
                           reply_start=reply_start)
 
+    def _per_model(self, what: str, compute):
+        """`compute()` once for the loaded model (a fact of the model that
+        never changes, not worth working out per request)."""
+        key = (self.model_provider.model_key, what)
+        if key not in self._model_facts:
+            self._model_facts[key] = compute()
+        return self._model_facts[key]
+
     def _keep_checkpoints(self, model) -> bool:
-        key = self.model_provider.model_key
-        if key not in self._checkpoint_models:
-            self._checkpoint_models[key] = self._needs_checkpoints(model)
-        return self._checkpoint_models[key]
+        return self._per_model("checkpoints", lambda: self._needs_checkpoints(model))
 
     @staticmethod
     def _needs_checkpoints(model) -> bool:
@@ -1017,7 +1021,7 @@ class Engine:
             draft_model = self.model_provider.draft_model
             planned = self._plan(tokenizer, request, args)
             plan, constraint = planned.plan, planned.constraint
-            segments = self._segments(plan)
+            segments = self._split(plan, self._shared_depth(plan))
             ctx, stop_sequences = self._context(tokenizer, plan, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
@@ -1506,6 +1510,8 @@ def _logprob(value: float) -> float:
 
 def _format_top_logprobs(logprobs, top_n, tokenizer):
     """Upstream's top-k entries, sorted by probability (most likely first)."""
+    if top_n <= 0:  # (every token of most requests)
+        return ()
     top = _upstream_top_logprobs(logprobs, top_n, tokenizer)
     for entry in top:
         entry["logprob"] = _logprob(entry["logprob"])

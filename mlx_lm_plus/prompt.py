@@ -308,23 +308,26 @@ class _TextBoundary:
         return backend
 
     @classmethod
+    def _encoded(cls, tokenizer, backend, messages, kwargs):
+        """The prompt rendered as text and tokenized once, with offsets."""
+        render = {**kwargs, "tokenize": False}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
+        encoding = backend.encode(text, add_special_tokens=False)
+        return cls(tokenizer, backend, text, encoding.ids, encoding.offsets, render)
+
+    @classmethod
     def create(cls, tokenizer, messages, tokens, kwargs):
         """The fast path for this prompt, or None where it does not apply."""
         backend = cls._backend(tokenizer, kwargs)
         if backend is None:
             return None
-        kwargs = {**kwargs, "tokenize": False}
-        tokens = list(tokens)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-            encoding = backend.encode(text, add_special_tokens=False)
+            fast = cls._encoded(tokenizer, backend, messages, kwargs)
         except Exception:
             return None
         # The backend must tokenize this prompt as `apply_chat_template` did
         # (and `tokens` be this conversation's).
-        if encoding.ids != tokens:
-            return None
-        return cls(tokenizer, backend, text, tokens, encoding.offsets, kwargs)
+        return fast if fast.tokens == list(tokens) else None
 
     @classmethod
     def for_prompt(cls, tokenizer, messages, kwargs):
@@ -336,17 +339,15 @@ class _TextBoundary:
         backend = cls._backend(tokenizer, kwargs)
         if backend is None or _VERIFIED.get(backend, 0) < 0:
             return None
-        render = {**kwargs, "tokenize": False}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
-        encoding = backend.encode(text, add_special_tokens=False)
+        fast = cls._encoded(tokenizer, backend, messages, kwargs)
         checked = _VERIFIED.get(backend, 0)
         if checked < VERIFY_PROMPTS:
-            agrees = encoding.ids == list(tokenizer.apply_chat_template(
+            agrees = fast.tokens == list(tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs))
             _VERIFIED[backend] = checked + 1 if agrees else -1
             if not agrees:
                 return None
-        return cls(tokenizer, backend, text, encoding.ids, encoding.offsets, render)
+        return fast
 
     def __call__(self, variants) -> int:
         # Renderings are cheap, tokenizations are not.
