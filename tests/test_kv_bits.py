@@ -313,13 +313,17 @@ def test_server_batches_and_resumes_from_cache(mid):
     """`mlx_lm_plus.server --kv-bits 4`: concurrent requests are in the batch
     together (/v1/stats), and a follow-up turn resumes the quantized entry
     the batch stored: the cached tokens and the reply of our sequential path
-    resuming its own entry."""
+    resuming its own entry.
+
+    The first request goes alone: under 4-bit KV a row's tokens can depend
+    on which rows it was prefilled beside (padding moves float rounding
+    across a quantization step), and the server's arrival order varies."""
     path, _, _ = mid
     args = ["--model", str(path), *KV_ARGS, "--max-tokens", str(MAX_TOKENS)]
     with ServerProcess(OURS, args) as server:
-        replies = {}
+        replies = {0: chat(server, body(0))}
         threads = [threading.Thread(target=lambda i=i: replies.update({i: chat(server, body(i))}))
-                   for i in range(3)]
+                   for i in (1, 2)]
         with Peak(lambda: server.get("/v1/stats")[1]["engine"]["active_requests"]) as batch:
             for t in threads:
                 t.start()
