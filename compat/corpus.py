@@ -155,6 +155,9 @@ def cases():
 # Differences we make on purpose: case name -> why. Every other difference in
 # structure or greedy text is a compatibility bug.
 EXCEPTIONS = {
+    "models": "ours: each entry also says whether the model is loaded and pinned, and "
+    "owned_by (OpenAI clients ignore extra fields; a frontend's dropdown can show it)",
+    "models_filtered": "as for models",
     "fatal_thinking_toggle": "upstream, on hybrid models (non-trimmable caches): a "
     "request with enable_thinking false stores a checkpoint equal to the whole prompt "
     "of the same request with thinking on; that request then hits it exactly and "

@@ -129,7 +129,7 @@ class Server:
         # thread.
         self._planner = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mlx_lm_plus-planning")
-        self._vocab = (None, None)  # (model key, vocabulary size)
+        self._vocab = {}  # loaded model -> vocabulary size
         # Wire protocols beyond chat completions, by the paths they serve.
         self.protocols: List[WireProtocol] = []
 
@@ -352,6 +352,7 @@ class Server:
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
             "memory": engine.memory(),
+            "models": engine.models(),
             "cache": cache["cache"],
         }
         if self.metrics is not None:
@@ -370,33 +371,23 @@ class Server:
         return self.json_response(request, {"object": "list", "data": models})
 
     def list_models(self, path: str):
-        """Downloaded MLX models in the Hugging Face cache, plus --model."""
-        created = int(time.time())
+        """What this server can serve: the served set (--model, --models-dir,
+        --models-config), each saying whether it is loaded; with
+        --allow-model-loading also the models loaded on request and, as
+        upstream, the downloaded MLX models in the Hugging Face cache."""
         parts = path.split("/")
-        filter_repo_id = "/".join(parts[3:]) if len(parts) > 3 else None
-        needed = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
-        models = []
-        try:
-            from huggingface_hub import scan_cache_dir
-
-            repos = scan_cache_dir().repos
-        except Exception:
-            # Upstream fails mid-response when there is no cache directory.
-            repos = []
-        for repo in repos:
-            if repo.repo_type != "model" or "main" not in repo.refs:
-                continue
-            if filter_repo_id is not None and repo.repo_id != filter_repo_id:
-                continue
-            names = {f.file_path.name for f in repo.refs["main"].files}
-            if needed <= names:
-                models.append({"id": repo.repo_id, "object": "model", "created": created})
-        if self.cli_args.model:
-            model_path = Path(self.cli_args.model)
-            if model_path.exists():
-                models.append(
-                    {"id": str(model_path.resolve()), "object": "model", "created": created}
-                )
+        filter_id = "/".join(parts[3:]) if len(parts) > 3 else None
+        created = int(time.time())
+        served = len(self.model_provider.served)
+        models = [{"id": m["id"], "object": "model", "created": created,
+                   "owned_by": "mlx_lm_plus", "loaded": m["loaded"], "pinned": m["pinned"]}
+                  for i, m in enumerate(self.engine.models())
+                  if i < served or self.cli_args.allow_model_loading]
+        if self.cli_args.allow_model_loading:
+            # (Upstream's path filter applies to these only.)
+            listed = {m["id"] for m in models}
+            models += [m for m in _hub_cache_models(created)
+                       if m["id"] not in listed and filter_id in (None, m["id"])]
         return models
 
     # -- completions --
@@ -428,11 +419,11 @@ class Server:
             return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
         return _parse_body(raw)
 
-    async def _decode_images(self, req):
+    async def _decode_images(self, req, model):
         """Decode, scale down and fingerprint a request's images in an
         executor: neither the event loop nor the generation thread spends
         its time on pixels (a 40-megapixel image takes about a second)."""
-        if req.request_type != "chat" or not self.engine.serves_vision:
+        if req.request_type != "chat" or not self.engine.serves_vision(model):
             return
         urls = [_image_url(p) for p in _image_parts(req.messages)]
         if not urls:
@@ -443,12 +434,12 @@ class Server:
             # (up to --max-request-image-pixels) until the engine plans it.
             async with self._decoding:
                 req.images = await loop.run_in_executor(
-                    None, decode_images, urls, self.engine.image_max_pixels
+                    None, decode_images, urls, self.engine.image_max_pixels(model)
                 )
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e
 
-    async def _constrain(self, req, draft=None):
+    async def _constrain(self, req, model):
         """Structured output, compiled before the request is queued: a schema
         llguidance can't take is a 400 here (compiling is CPU work: in an
         executor; repeated schemas are a cache hit)."""
@@ -462,14 +453,16 @@ class Server:
             # (With strict tools too: the answer is held to the format, and
             # the model can't call a tool; see the README.)
             constraint = req.response_format
-        elif choice != "none" and StrictToolCalls.wanted(req.tools) and not draft:
+        elif (choice != "none" and StrictToolCalls.wanted(req.tools)
+              and not self.model_provider.key_for(model)[2]):  # (no draft model)
             # Best effort: a model or setup that can't hold calls to a schema
             # (another tool format, a draft model) serves the request as
             # upstream does; only a strict tool's broken schema is a 400.
             constraint = StrictToolCalls(req.tools)
         else:
             return
-        tokenizer = self.model_provider.tokenizer
+        lm = self.model_provider.get(self.model_provider.key_for(model))
+        tokenizer = lm.tokenizer if lm is not None else None
         loop = asyncio.get_running_loop()
         try:
             req.constraint = await loop.run_in_executor(
@@ -509,26 +502,28 @@ class Server:
         except Exception:  # the engine plans it again, and answers
             logging.exception("Planning a prompt failed")
 
-    def _vocab_size(self):
-        """The larger of the model's and the tokenizer's vocabulary sizes (for
-        logit_bias validation), read once per loaded model: a fast tokenizer
-        builds its whole vocabulary dict on each `vocab`."""
-        key = getattr(self.model_provider, "model_key", None)
-        if self._vocab[0] == key and key is not None:
-            return self._vocab[1]
-        tokenizer = self.model_provider.tokenizer
-        model = self.model_provider.model
+    def _vocab_size(self, name):
+        """The larger of the vocabulary sizes of model `name`'s model and
+        tokenizer (for logit_bias validation; None while it isn't loaded),
+        read once per loaded model: a fast tokenizer builds its whole
+        vocabulary dict on each `vocab`."""
+        desc = ModelDescription(name if isinstance(name, str) else "default_model",
+                                "default_model", None)
+        lm = self.model_provider.get(self.model_provider.key_for(desc))
+        if lm is None:
+            return None
+        ident = (lm.key, lm.loaded_at)  # (not the model: it would never be freed)
+        if ident in self._vocab:
+            return self._vocab[ident]
         sizes = []
-        if model is not None and hasattr(model, "args"):
-            sizes.append(getattr(model.args, "vocab_size", None))
-        if tokenizer is not None:
-            sizes.append(len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None)
+        if hasattr(lm.model, "args"):
+            sizes.append(getattr(lm.model.args, "vocab_size", None))
+        sizes.append(len(lm.tokenizer.vocab) if hasattr(lm.tokenizer, "vocab") else None)
         sizes = [s for s in sizes if isinstance(s, int)]
         size = max(sizes) if sizes else None
-        # (Kept only once the load is complete: a load sets the key first.)
-        if (size is not None and model is not None and tokenizer is not None
-                and getattr(self.model_provider, "model_key", None) == key):
-            self._vocab = (key, size)
+        if len(self._vocab) > 16:  # (models unloaded since)
+            self._vocab.clear()
+        self._vocab[ident] = size
         return size
 
     async def handle_completion(self, request: web.Request,
@@ -563,37 +558,48 @@ class Server:
 
     async def _handle_completion(self, request: web.Request, track: "_Tracker",
                                  protocol: Optional[WireProtocol] = None):
+        provider = self.model_provider
         try:
             body = await self._read_body(request)
+            name = body.get("model") if isinstance(body, dict) else None
+            if protocol is not None and not provider.is_served(
+                    ModelDescription(str(name), "default_model", None)):
+                # Agent clients name their own models (claude-..., gpt-...): a
+                # name not served means the default model, and is echoed back.
+                name = "default_model"
+            # Parsed with that model's defaults (--models-config), and its
+            # vocabulary for logit_bias when it is loaded.
+            cli = provider.defaults_for(name)
             if protocol is None:
-                parsed = parse_request(request.path, body, self.cli_args, self._vocab_size())
+                parsed = parse_request(request.path, body, cli, self._vocab_size(name))
             else:
-                parsed = protocol.parse(request.path, body, self.cli_args,
-                                        self._vocab_size())
-            if getattr(self.cli_args, "allow_remote_images", False):
-                # Only once the whole request validated.
-                await inline_remote_images(parsed.request, self.cli_args)
-            await self._decode_images(parsed.request)
-            await self._constrain(parsed.request,
-                                  draft=self.model_provider.key_for(parsed.args.model)[2])
+                parsed = protocol.parse(request.path, body, cli, self._vocab_size(name))
+                if name == "default_model":
+                    parsed.args.model = ModelDescription("default_model", "default_model",
+                                                         None)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model
+        track.record.served_model = provider.name_for(provider.key_for(parsed.args.model))
         track.record.stream = parsed.stream
-
-        if protocol is not None and not self.cli_args.allow_model_loading:
-            # Agent clients name their own models (claude-..., gpt-...): with
-            # one model served, any name means it, and is echoed back.
-            parsed.args.model = ModelDescription("default_model", "default_model", None)
-        if not self.model_provider.is_served(parsed.args.model):
+        if not provider.is_served(parsed.args.model):
             desc = parsed.args.model
+            served = ", ".join(repr(e.name) for e in provider.served)
             return self.error(
                 request,
                 f"Model not served here: model={desc.model!r}, adapters={desc.adapter!r}, "
-                f"draft_model={desc.draft!r}. This server serves {self.cli_args.model!r} "
-                "(start it with --allow-model-loading to load others).",
+                f"draft_model={desc.draft!r}. This server serves {served} (GET /v1/models "
+                "lists them; start it with --allow-model-loading to load others).",
                 404,
             )
+        try:
+            if getattr(self.cli_args, "allow_remote_images", False):
+                # Only once the whole request validated.
+                await inline_remote_images(parsed.request, self.cli_args)
+            await self._decode_images(parsed.request, parsed.args.model)
+            await self._constrain(parsed.request, parsed.args.model)
+        except RequestError as e:
+            return self.error(request, str(e), e.status)
         try:
             await self._plan(parsed)
         except RequestError as e:
@@ -1027,3 +1033,23 @@ def _sample_every_second(metrics: Metrics):
         task.cancel()
 
     return sampler
+
+
+def _hub_cache_models(created: int):
+    """Downloaded MLX models in the Hugging Face cache (upstream's listing)."""
+    needed = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        repos = scan_cache_dir().repos
+    except Exception:
+        # Upstream fails mid-response when there is no cache directory.
+        return []
+    models = []
+    for repo in repos:
+        if repo.repo_type != "model" or "main" not in repo.refs:
+            continue
+        names = {f.file_path.name for f in repo.refs["main"].files}
+        if needed <= names:
+            models.append({"id": repo.repo_id, "object": "model", "created": created})
+    return models

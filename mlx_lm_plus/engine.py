@@ -28,7 +28,12 @@ BatchGenerator; the others are served one at a time by `_serve_single` with
     thread): this thread only looks them up in the store and runs the model;
   * a request that shares a prefix not cached yet with a request in the
     batch about to store a checkpoint there waits for it (`_Batch.park`);
-  * a step's events go to their channels in one hand-off (`deliver`).
+  * a step's events go to their channels in one hand-off (`deliver`);
+  * several models are served at once: each loaded model has its own
+    BatchGenerator, and this thread steps the active ones in turn. A model is
+    loaded on the loader thread while the others keep generating, and
+    unloaded (least recently used first) only when nothing runs on it
+    (`_readiness`, `_make_room`, `_housekeeping`).
 """
 
 import copy
@@ -38,6 +43,7 @@ import logging
 import os
 import pickle
 import time
+from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, Queue
 from threading import Thread
 from dataclasses import dataclass, replace
@@ -82,6 +88,14 @@ PARK_MIN_TOKENS = 32
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
+# What a request taken off the queue waits for (Engine._readiness): nothing
+# (READY), a model load on the loader thread (LOADING: later requests may go
+# first), or the end of requests running on other models (BLOCKED: a model
+# must go idle to make room, or a sequential request needs the thread; later
+# requests wait behind it so the running ones drain).
+READY, LOADING, BLOCKED = "ready", "loading", "blocked"
+# Seconds between two looks at idle models (TTL, keep_alive).
+HOUSEKEEPING_EVERY = 0.25
 # Exit status of a process whose generation thread hung (EX_SOFTWARE): a
 # supervisor restarts it (README: systemd and launchd examples).
 HANG_EXIT_STATUS = 70
@@ -226,11 +240,17 @@ class Engine:
         self.restart_window = 60.0
         self._crash_times = []
         # What the generation thread holds, so a crash can answer every
-        # request it had taken (the batch, requests set aside, the one being
-        # served sequentially).
-        self._batch: Optional[_Batch] = None
+        # request it had taken (the batches, one per loaded model; requests
+        # set aside; the one being served sequentially).
+        self._batches: Dict[Any, _Batch] = {}
         self._pending = []
+        # Models load here, one at a time, while the generation thread goes
+        # on with the others: (key, Future) of the load running, or None.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-loader")
+        self._loading: Optional[tuple] = None
+        self._housekept = 0.0  # when idle models were last looked at
         self._current = None
+        self._current_key = None  # the model of the request served sequentially
         self._clear_buffers = False
         self.steps = 0  # generation steps run, for disconnect measurements
         # Where the generation thread's time goes, in seconds (/v1/stats, the
@@ -304,8 +324,7 @@ class Engine:
         error = self._unavailable()
         held = []
         try:
-            batch = self._batch
-            if batch is not None:
+            for batch in list(self._batches.values()):
                 held += [r["channel"] for r in list(batch.results.values())]
                 held += [r[0] for r in batch.held_back()]
             held += [r[0] for r in list(self._pending)]
@@ -367,16 +386,16 @@ class Engine:
     def _fail_held(self, error: Exception):
         """Answer every request the generation thread had taken with `error`."""
         held = []
-        if self._batch is not None:
-            held += [r["channel"] for r in self._batch.results.values()]
-            held += [r[0] for r in self._batch.held_back()]
+        for batch in self._batches.values():
+            held += [r["channel"] for r in batch.results.values()]
+            held += [r[0] for r in batch.held_back()]
             try:
-                self._batch.close()
+                batch.close()
             except Exception:
                 pass
         held += [request[0] for request in self._pending]
         held += [c for c in (self._current, self._admitting) if c is not None]
-        self._batch, self._pending, self._current, self._admitting = None, [], None, None
+        self._batches, self._pending, self._current, self._admitting = {}, [], None, None
         for channel in held:
             channel.put(error)
         gc.collect()
@@ -423,12 +442,14 @@ class Engine:
             getattr(self.metrics, histogram).observe(value)
 
     def vision_stats(self) -> Optional[Dict[str, int]]:
-        """Images through the vision tower and images served from the cache
-        (None for a model without vision)."""
-        vision = self._vision
-        if vision is None:
+        """Images through the vision tower and images served from the cache,
+        over the loaded vision models (None when none is loaded)."""
+        visions = [v for lm in list(self.model_provider.loaded.values())
+                   if (v := _vision(lm)) is not None]
+        if not visions:
             return None
-        return {"images_encoded": vision.calls, "images_from_cache": vision.hits}
+        return {"images_encoded": sum(v.calls for v in visions),
+                "images_from_cache": sum(v.hits for v in visions)}
 
     @staticmethod
     def memory() -> Dict[str, int]:
@@ -439,16 +460,48 @@ class Engine:
             "mlx_peak_bytes": mx.get_peak_memory(),
         }
 
+    def models(self) -> List[Dict[str, Any]]:
+        """The served set, then models loaded on request, each with whether it
+        is loaded and what it holds (safe from any thread: /v1/models,
+        /metrics, the dashboard)."""
+        provider = self.model_provider
+        now = time.monotonic()
+        batches, loaded = dict(self._batches), dict(provider.loaded)
+        served = {e.key: e for e in provider.served}
+        loading = self._loading[0] if self._loading is not None else None
+        out = []
+        for key in list(served) + [k for k in loaded if k not in served]:
+            lm, entry, batch = loaded.get(key), served.get(key), batches.get(key)
+            active = (len(batch.results) if batch is not None else 0) + (
+                self._current_key == key)
+            out.append({
+                "id": entry.name if entry is not None else key[0],
+                "loaded": lm is not None,
+                "loading": key == loading,
+                "pinned": lm.pinned if lm is not None else bool(entry and entry.pinned),
+                "weights_bytes": lm.nbytes if lm is not None else 0,
+                "load_seconds": round(lm.load_seconds, 2) if lm is not None else None,
+                "active_requests": active,
+                "idle_seconds": (0.0 if active else round(now - lm.last_used, 1))
+                if lm is not None else None,
+                "keep_alive": lm.keep_alive if lm is not None else None,
+            })
+        return out
+
+    def in_flight_nbytes(self) -> int:
+        """Bytes of the caches the batches hold (see _Batch.owned_nbytes)."""
+        return sum(b.owned_nbytes() for b in self._batches.values())
+
     @property
     def active_requests(self) -> int:
         """Requests the generation thread holds (in the batch or sequential)."""
-        batch = self._batch
-        n = len(batch.results) if batch is not None else 0
+        n = sum(len(b.results) for b in list(self._batches.values()))
         return n + (self._current is not None)
 
     def stop_and_join(self, timeout=None):
         self._stop = True
         self._thread.join(timeout)
+        self._loader.shutdown(wait=False, cancel_futures=True)
 
     def join(self):
         self._thread.join()
@@ -495,8 +548,8 @@ class Engine:
 
     # -- helpers --
 
-    def _state_machine(self, tokenizer, stop_words):
-        key = (self.model_provider.model_key, tuple(stop_words))
+    def _state_machine(self, model_key, tokenizer, stop_words):
+        key = (model_key, tuple(stop_words))
         if key not in self._state_machines:
             if len(self._state_machines) > 100:
                 self._state_machines.clear()
@@ -508,10 +561,11 @@ class Engine:
             )
         return self._state_machines[key]
 
-    def _context(self, tokenizer, plan, args):
+    def _context(self, lm, plan, args):
         """(GenerationContext, StopSequences) of a planned request."""
+        tokenizer = lm.tokenizer
         stop_sequences, text_sm, stop_word_tokens = self._state_machine(
-            tokenizer, args.stop_words)
+            lm.key, tokenizer, args.stop_words)
         ctx = GenerationContext(
             has_tool_calling=tokenizer.has_tool_calling,
             has_thinking=tokenizer.has_thinking,
@@ -525,10 +579,10 @@ class Engine:
         ctx.stop_word_tokens = stop_word_tokens
         return ctx, stop_sequences
 
-    def _build_plan(self, tokenizer, processor, request, args) -> PromptPlan:
+    def _build_plan(self, lm, request, args) -> PromptPlan:
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
-            return build_prompt(tokenizer, processor, request, kwargs)
+            return build_prompt(lm.tokenizer, lm.processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
 
@@ -542,51 +596,48 @@ class Engine:
             raise PromptError(str(e)) from e
 
     def plan(self, request, args) -> Optional[Planned]:
-        """Plan a text request for the model now loaded, on the caller's
-        thread (the HTTP layer's planning thread): the template renders,
-        tokenizing and the constraint's matcher stay off the generation
-        thread. None: the engine plans it at admission (no model loaded yet,
-        another model named, or images, whose plan needs the vision tower's
-        processor). Raises PromptError."""
+        """Plan a text request for the model it names, on the caller's thread
+        (the HTTP layer's planning thread): the template renders, tokenizing
+        and the constraint's matcher stay off the generation thread. None:
+        the engine plans it at admission (that model not loaded yet, or
+        images, whose plan needs the vision tower's processor). Raises
+        PromptError."""
         provider = self.model_provider
-        key, tokenizer = provider.model_key, provider.tokenizer
+        key = provider.key_for(args.model)
+        lm = provider.get(key)
         # (Under mx.distributed requests are pickled to the other ranks,
         # which plan them themselves.)
-        if (self._is_distributed or tokenizer is None or key is None
-                or provider.key_for(args.model) != key
+        if (self._is_distributed or lm is None
                 or (request.request_type == "chat" and any(_image_parts(request.messages)))):
             return None
         self._planning_since = time.monotonic()  # watched, as the generation thread is
         try:
-            plan = self._build_plan(tokenizer, provider.processor, request, args)
-            constraint = self._constraint(request, tokenizer, plan)
+            plan = self._build_plan(lm, request, args)
+            constraint = self._constraint(request, lm.tokenizer, plan)
         finally:
             self._planning_since = None
-        if provider.model_key != key:  # a load replaced the model meanwhile
-            return None
         return Planned(key, plan, constraint)
 
-    def _plan(self, tokenizer, request, args) -> Planned:
-        """The request's plan for the model now running: the one made off this
-        thread if it was made for this model, else made now."""
+    def _plan(self, lm, request, args) -> Planned:
+        """The request's plan for model `lm`: the one made off this thread if
+        it was made for that model, else made now."""
         planned = getattr(request, "planned", None)
         request.planned = None
-        if planned is None or planned.model_key != self.model_provider.model_key:
+        if planned is None or planned.model_key != lm.key:
             self.planned_at_admission += 1
             try:
-                plan = self._build_plan(tokenizer, self.model_provider.processor, request, args)
+                plan = self._build_plan(lm, request, args)
             finally:
                 # The decoded pixels are in the plan now (or not needed): the
                 # request, which its handler holds to the end, lets them go.
                 if getattr(request, "images", None) is not None:
                     request.images = None
-            planned = Planned(self.model_provider.model_key, plan,
-                              self._constraint(request, tokenizer, plan))
+            planned = Planned(lm.key, plan, self._constraint(request, lm.tokenizer, plan))
         return planned
 
-    def _shared_depth(self, plan: PromptPlan) -> int:
+    def _shared_depth(self, lm, plan: PromptPlan) -> int:
         """How far the store's paths follow this prompt (not into an image)."""
-        depth = self.store.shared_depth(self.model_provider.model_key, plan.cache_key)
+        depth = self.store.shared_depth(lm.key, plan.cache_key)
         if isinstance(plan.vision, VisionPrompt):
             depth = plan.vision.safe_prefix(depth)
         return depth
@@ -605,7 +656,7 @@ class Engine:
         split_at(split, depth)
         return split.segments, split.segment_types
 
-    def _is_batchable(self, request, args) -> bool:
+    def _is_batchable(self, lm, request, args) -> bool:
         # Image requests batch on models served through mlx-vlm (vision.py);
         # on mlx-lm's own vision models they are served sequentially, as
         # upstream does.
@@ -613,34 +664,33 @@ class Engine:
         # --kv-bits batches through quantized_batch.py where every layer
         # upstream would quantize is a plain KVCache.
         return (
-            self.model_provider.is_batchable
+            lm.is_batchable
             and args.seed is None
             and (self.cli_args.kv_bits is None
-                 or self._per_model("quantized batching", lambda: supports_quantized_batching(
-                     self.model_provider.model)))
-            and (not has_images or self._vision is not None)
+                 or self._per_model(lm, "quantized batching",
+                                    lambda: supports_quantized_batching(lm.model)))
+            and (not has_images or _vision(lm) is not None)
         )
 
-    @property
-    def serves_vision(self) -> bool:
-        """Whether image requests are planned by vision.py (mlx-vlm models)."""
-        return self._vision is not None or self.model_provider.default_is_vision
+    def serves_vision(self, model) -> bool:
+        """Whether image requests for `model` (a ModelDescription) are
+        planned by vision.py (mlx-vlm models)."""
+        key = self.model_provider.key_for(model)
+        lm = self.model_provider.get(key)
+        if lm is not None:
+            return _vision(lm) is not None
+        return self.model_provider.default_is_vision(key)
 
-    @property
-    def image_max_pixels(self) -> Optional[int]:
-        """The most pixels the model's image processor keeps (it scales larger
+    def image_max_pixels(self, model) -> Optional[int]:
+        """The most pixels `model`'s image processor keeps (it scales larger
         images down), or None."""
-        vision = self._vision
-        if vision is not None:
+        key = self.model_provider.key_for(model)
+        lm = self.model_provider.get(key)
+        if lm is not None and (vision := _vision(lm)) is not None:
             return vision.max_pixels
-        return self.model_provider.default_image_max_pixels
+        return self.model_provider.image_max_pixels(key)
 
-    @property
-    def _vision(self) -> Optional[VisionSupport]:
-        processor = self.model_provider.processor
-        return processor if isinstance(processor, VisionSupport) else None
-
-    def _resume(self, model, plan, segments, cache, cached, channel):
+    def _resume(self, lm, plan, segments, cache, cached, channel):
         """A vision-language model's cache, ready for the rest of `plan`.
 
         A cached prefix may not end inside an image (its positions come out
@@ -651,7 +701,7 @@ class Engine:
         rest of the prompt is text. Returns (cache, tokens reused from the
         store, tokens covered now).
         """
-        vision = self._vision
+        vision, model = _vision(lm), lm.model
         if vision is None:
             return cache, cached, cached
         images = plan.vision
@@ -671,14 +721,14 @@ class Engine:
         if images is not None and cached < images.end_of_images():
             tic = time.perf_counter()
             checkpoints = {}
-            if self._keep_checkpoints(model):
+            if self.keep_checkpoints(lm):
                 ends = itertools.accumulate(len(s) for s in segments[0][:-1])
                 checkpoints = dict(zip(ends, segments[1]))
 
             def store_checkpoint(position):
                 kept = copy.deepcopy(cache)
                 set_rope_delta(kept, images.delta_at(position))
-                self._store(plan.cache_key[:position], kept, checkpoints[position])
+                self._store(lm, plan.cache_key[:position], kept, checkpoints[position])
 
             cached = vision.prefill(
                 model, plan.tokens, images, cache, cached, self.cli_args.prefill_step_size,
@@ -701,21 +751,7 @@ class Engine:
 
         return progress
 
-    def _load(self, args):
-        self._idle()  # a load may take minutes: not a stuck step
-        try:
-            loaded = self.model_provider.load(
-                args.model.model, args.model.adapter, args.model.draft
-            )
-        except Exception as e:
-            logging.exception("Model load failed")
-            raise ModelLoadError(str(e)) from e
-        finally:
-            self._beat("admitting a request")
-        self._attach_disk()
-        return loaded
-
-    def _attach_disk(self):
+    def _attach_disk(self, lm):
         """With --prompt-cache-dir: the loaded model's disk tier, opened once
         per model (its index read, so conversations resume after a restart).
 
@@ -726,8 +762,8 @@ class Engine:
         entries. Not under mx.distributed (every rank holds a shard of the
         same identity)."""
         args = self.cli_args
-        key = self.model_provider.model_key
-        if (not getattr(args, "prompt_cache_dir", None) or key is None
+        key = lm.key
+        if (not getattr(args, "prompt_cache_dir", None)
                 or self._is_distributed or self.store.disk_for(key) is not None):
             return
         from .disk_cache import DiskTier, model_identity
@@ -761,9 +797,9 @@ class Engine:
         if getattr(self.cli_args, "prompt_cache_dir", None):
             self.store.save_to_disk(self.cli_args.shutdown_timeout)
 
-    def _fetch_cache(self, key):
+    def _fetch_cache(self, lm, key):
         """(a private copy of the best cached prefix or None, tokens it covers)."""
-        found = self.store.fetch(self.model_provider.model_key, key)
+        found = self.store.fetch(lm.key, key)
         return found.cache, found.cached
 
     def log_store(self):
@@ -777,7 +813,7 @@ class Engine:
                if s.get("disk") else "")
         )
 
-    def _store(self, key, cache, kind, reply_start=0):
+    def _store(self, lm, key, cache, kind, reply_start=0):
         # Speculative decoding leaves the model's and the draft's caches
         # behind the key, by different counts: cut all to the shortest (a
         # stored cache holds exactly its key's tokens).
@@ -786,19 +822,18 @@ class Engine:
             for c in cache:
                 c.trim(c.offset - held)
             key = key[:held]
-        self.store.insert(self.model_provider.model_key, key, cache, kind,
-                          reply_start=reply_start)
+        self.store.insert(lm.key, key, cache, kind, reply_start=reply_start)
 
-    def _per_model(self, what: str, compute):
-        """`compute()` once for the loaded model (a fact of the model that
-        never changes, not worth working out per request)."""
-        key = (self.model_provider.model_key, what)
+    def _per_model(self, lm, what: str, compute):
+        """`compute()` once for model `lm` (a fact of the model that never
+        changes, not worth working out per request)."""
+        key = (lm.key, what)
         if key not in self._model_facts:
             self._model_facts[key] = compute()
         return self._model_facts[key]
 
-    def _keep_checkpoints(self, model) -> bool:
-        return self._per_model("checkpoints", lambda: self._needs_checkpoints(model))
+    def keep_checkpoints(self, lm) -> bool:
+        return self._per_model(lm, "checkpoints", lambda: self._needs_checkpoints(lm.model))
 
     @staticmethod
     def _needs_checkpoints(model) -> bool:
@@ -817,40 +852,23 @@ class Engine:
         # All generation runs on this thread's stream, the same one the
         # distributed synchronisation uses.
         stream = mx.default_stream(mx.default_device())
-        self.model_provider.load_default()
-        self._attach_disk()
-
-        drain = False
-        self._batch, self._pending = None, []  # taken off the queue, not yet placed
+        self._load_default()
+        self._batches, self._pending = {}, []
 
         if self._is_distributed:
             seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
             mx.random.seed(seed)
 
         while not self._stop:
-            batch = self._batch
-            if self._clear_buffers and (batch is None or not batch.active):
-                self._clear_buffers = False
-                gc.collect()
-                mx.clear_cache()
-
-            request = None
-            if not drain:
-                if self._pending:
-                    request = self._pending.pop()
-                else:
-                    busy = batch is not None and batch.active
-                    if not busy:
-                        self._idle()
-                    request = self._next_request(timeout=None if busy else 0.1)
-
+            self._housekeeping()
+            request = self._take_request()
             if request is not None:
                 self._beat("admitting a request")
                 # Held here while it is planned (and its images prefilled), so
                 # a crash or the watchdog can answer it.
                 self._admitting = request[0]
                 try:
-                    drain = self._admit(request, stream) or drain
+                    self._admit(request, stream)
                 except Exception as e:
                     # Whatever slipped past validation fails this request
                     # only, and it is answered.
@@ -864,79 +882,238 @@ class Engine:
                     self._admitting = None
                 continue
 
-            if batch is None:
-                continue
-            if not batch.active:
-                if drain:
-                    batch.close()
-                    self._batch = None
-                    drain = False
-                continue
-
-            if self._is_distributed:
-                for _ in self._time_budget:
+            # One step of each active batch in turn: a busy model doesn't
+            # starve a quiet one.
+            for batch in [b for b in self._batches.values() if b.active]:
+                if self._is_distributed:
+                    for _ in self._time_budget:
+                        self._beat("a batch step")
+                        if not batch.step():
+                            break
+                else:
                     self._beat("a batch step")
-                    if not batch.step():
-                        break
-            else:
-                self._beat("a batch step")
-                batch.step()
-            self._pending += batch.take_unparked()
+                    batch.step()
+                # Their wait is over: first in line again.
+                self._pending[:0] = batch.take_unparked()
 
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
+        self._fail_loading(EngineUnavailable("server shutting down"))
         self._save_to_disk()
         self.model_provider.reset()
         gc.collect()
 
-    def _admit(self, request, stream) -> bool:
-        """Place a request taken off the queue: into the running batch, a new
-        batch, or the sequential path. Returns whether the running batch must
-        drain first (another model, or a sequential request)."""
+    def _any_active(self) -> bool:
+        return any(b.active for b in self._batches.values())
+
+    def _take_request(self):
+        """The next request to admit: the first one set aside that can go now,
+        else a new one off the queue (set aside if it can't go yet). None
+        when there is nothing to admit (or a request set aside blocks the
+        queue until the running requests drain)."""
+        for request in list(self._pending):
+            state = self._readiness(request)
+            if state is READY or isinstance(state, Exception):
+                self._pending.remove(request)
+                if state is READY:
+                    return request
+                request[0].put(state)
+            elif state is BLOCKED:
+                return None
+        busy = self._any_active()
+        if not busy:
+            self._idle()
+        request = self._next_request(
+            timeout=None if busy else 0.02 if self._loading is not None else 0.1)
+        if request is None:
+            return None
+        state = self._readiness(request)
+        if state is READY:
+            return request
+        if isinstance(state, Exception):
+            request[0].put(state)
+        else:
+            self._pending.append(request)
+        return None
+
+    def _readiness(self, request):
+        """READY, LOADING or BLOCKED (see their definition), or the error the
+        request gets. Starts the request's model loading when it isn't
+        loaded and there is room."""
+        try:
+            return self._find_readiness(request)
+        except Exception as e:  # (what slipped past validation: this request's)
+            logging.exception("Could not place a request")
+            return request_error(e, "admitting the request")
+
+    def _find_readiness(self, request):
+        channel, req, args = request
+        if channel.cancelled and not self._is_distributed:
+            return READY  # (_admit lets it go)
+        provider = self.model_provider
+        key = provider.key_for(args.model)
+        lm = provider.get(key)
+        if lm is None:
+            if self._loading is not None:
+                return LOADING
+            room = self._make_room(key)
+            return self._start_load(key) if room is READY else room
+        if getattr(req, "count_only", False) or self._is_batchable(lm, req, args):
+            return READY
+        # Served sequentially: it has the thread to itself.
+        return BLOCKED if self._any_active() else READY
+
+    def _in_use(self, key) -> bool:
+        batch = self._batches.get(key)
+        return batch is not None and (batch.active or bool(batch.held_back()))
+
+    def _make_room(self, key):
+        """READY when model `key` may be loaded now (idle models unloaded for
+        it, least recently used first), BLOCKED while it must wait for a
+        model to go idle, or the error its requests get when it never can
+        (the models loaded are all pinned and fill --max-loaded-models)."""
+        provider = self.model_provider
+        extra = self.store.max_bytes or 0
+        while not provider.fits(key, extra):
+            idle = sorted((lm for lm in provider.loaded.values()
+                           if not lm.pinned and not self._in_use(lm.key)),
+                          key=lambda lm: lm.last_used)
+            if idle:
+                self._unload(idle[0].key, "to make room for " + key[0])
+                continue
+            if any(not lm.pinned for lm in provider.loaded.values()):
+                return BLOCKED  # one of them will be idle
+            if len(provider.loaded) >= max(1, self.cli_args.max_loaded_models):
+                return ModelLoadError(
+                    f"Model {key[0]!r} can't be loaded: the {len(provider.loaded)} "
+                    f"loaded models are pinned and fill --max-loaded-models "
+                    f"{self.cli_args.max_loaded_models}")
+            logging.warning(f"Loading {key[0]} beyond the memory budget: the models "
+                            "loaded are pinned")
+            break
+        return READY
+
+    def _start_load(self, key):
+        """Load `key`: on the loader thread (LOADING), or here under
+        mx.distributed, where every rank must have it at the same step."""
+        if self._is_distributed:
+            self._idle()  # a load may take minutes: not a stuck step
+            try:
+                lm = self.model_provider.load(key)
+            except Exception as e:
+                logging.exception("Model load failed")
+                return ModelLoadError(str(e))
+            self._loaded(lm)
+            return READY
+        logging.info(f"Loading model {key[0]} (requests for it wait; others go on)")
+        self._loading = (key, self._loader.submit(self.model_provider.load, key))
+        return LOADING
+
+    def _loaded(self, lm):
+        self.model_provider.add(lm)
+        self._attach_disk(lm)
+
+    def _load_default(self):
+        """The default model, loaded on this thread at the start (as upstream)."""
+        key = self.model_provider.default_key
+        if key is not None and self.model_provider.get(key) is None:
+            self._idle()
+            self._loaded(self.model_provider.load(key))
+
+    def _fail_pending(self, key, error):
+        """Answer the requests set aside for model `key` with `error`."""
+        provider = self.model_provider
+        failed = [r for r in self._pending if provider.key_for(r[2].model) == key]
+        self._pending = [r for r in self._pending if r not in failed]
+        for request in failed:
+            request[0].put(error)
+
+    def _fail_loading(self, error):
+        if self._loading is not None:
+            self._loading[1].cancel()
+            self._fail_pending(self._loading[0], error)
+            self._loading = None
+
+    def _housekeeping(self):
+        """A finished load joins the loaded models (or fails its requests);
+        idle models past their TTL or keep_alive are unloaded; MLX's buffer
+        cache is cleared after DELETE /v1/cache once nothing runs."""
+        if self._loading is not None and self._loading[1].done():
+            (key, future), self._loading = self._loading, None
+            try:
+                self._loaded(future.result())
+            except Exception as e:
+                logging.exception(f"Loading {key[0]} failed")
+                self._fail_pending(key, ModelLoadError(str(e)))
+        now = time.monotonic()
+        if now - self._housekept < HOUSEKEEPING_EVERY:
+            return
+        self._housekept = now
+        if self._clear_buffers and not self._any_active():
+            self._clear_buffers = False
+            gc.collect()
+            mx.clear_cache()
+        if self._is_distributed:
+            return  # (a clock differs between ranks: their models must not)
+        ttl = self.cli_args.model_ttl
+        for lm in list(self.model_provider.loaded.values()):
+            if self._in_use(lm.key) or self._current_key == lm.key:
+                lm.last_used = now
+                continue
+            limit = lm.idle_limit(ttl)
+            if limit is not None and now - lm.last_used >= limit:
+                self._unload(lm.key, f"idle for {now - lm.last_used:.0f} s")
+
+    def _unload(self, key, why: str):
+        batch = self._batches.pop(key, None)
+        if batch is not None:
+            # (Never with requests in it: _in_use. Were it so, they are
+            # answered rather than left waiting.)
+            for r in batch.results.values():
+                r["channel"].put(EngineUnavailable(f"Model {key[0]} was unloaded"))
+            batch.close()
+        self.model_provider.unload(key, why)
+        # Its weights go with the last reference; the collection and MLX's
+        # buffer cache wait until nothing runs (a gc.collect() holds the GIL
+        # for ~50 ms: a stall of every batch).
+        self._clear_buffers = True
+
+    def _admit(self, request, stream):
+        """Admit a request whose model is loaded: into that model's batch
+        (started if it has none), or the sequential path."""
         channel, req, args = request
         # (Under mx.distributed every rank has already taken it; it leaves
         # the batch at the next step instead.)
         if channel.cancelled and not self._is_distributed:
             channel.removed()
-            return False
-        batch = self._batch
-        batchable = self._is_batchable(req, args)
-        same_model = (
-            batch is not None and self.model_provider.key_for(args.model) == batch.model_key
-        )
-        if getattr(req, "count_only", False) and (batch is None or same_model):
-            self._count(channel, req, args, batch)
-            return False
-        if same_model and batchable:
-            tic = time.perf_counter()
-            admission = self._prepare(channel, req, args, batch.model, batch.tokenizer,
-                                      park=lambda planned, depth: batch.park(request, planned, depth))
-            if admission is not PARKED:
-                if admission is not None:
-                    batch.insert(admission)
-                self.admitted += 1
-            self.thread_seconds["admission"] += time.perf_counter() - tic
-            return False
-        if batch is not None:
-            self._pending.append(request)
-            return True
-        try:
-            model, tokenizer = self._load(args)
-        except ModelLoadError as e:
-            channel.put(e)
-            return False
-        if not batchable:
-            self._current = channel
+            return
+        lm = self.model_provider.get(self.model_provider.key_for(args.model))
+        lm.last_used = time.monotonic()
+        if getattr(req, "keep_alive", None) is not None:
+            lm.keep_alive = req.keep_alive
+        if getattr(req, "count_only", False):
+            self._count(lm, channel, req, args)
+            return
+        if not self._is_batchable(lm, req, args):
+            self._current, self._current_key = channel, lm.key
             try:
-                self._serve_single(channel, req, args, stream)
+                self._serve_single(lm, channel, req, args, stream)
             finally:
-                self._current = None
-            return False
-        self._batch = _Batch(self, model, tokenizer, stream, self._keep_checkpoints(model))
-        self._pending.append(request)
-        return False
+                self._current = self._current_key = None
+            return
+        batch = self._batches.get(lm.key)
+        if batch is None:
+            batch = self._batches[lm.key] = _Batch(self, lm, stream)
+        tic = time.perf_counter()
+        admission = self._prepare(lm, channel, req, args,
+                                  park=lambda planned, depth: batch.park(request, planned, depth))
+        if admission is not PARKED:
+            if admission is not None:
+                batch.insert(admission)
+            self.admitted += 1
+        self.thread_seconds["admission"] += time.perf_counter() - tic
 
-    def _prepare(self, channel, request, args, model, tokenizer, park=None):
+    def _prepare(self, lm, channel, request, args, park=None):
         """A request's admission into the batch: its plan, its cached prefix
         and, on vision-language models, its images through the vision tower
         and prefilled (unless the cache covers them). Errors that are the
@@ -944,22 +1121,22 @@ class Engine:
         admission guard. `park(planned, depth)` may hold the request back
         before anything is fetched (PARKED)."""
         try:
-            planned = self._plan(tokenizer, request, args)
+            planned = self._plan(lm, request, args)
         except PromptError as e:
             channel.put(e)
             return None
         plan = planned.plan
-        depth = self._shared_depth(plan)
+        depth = self._shared_depth(lm, plan)
         if park is not None and park(planned, depth):
             return PARKED
         segments = self._split(plan, depth)
-        cache, cached = self._fetch_cache(plan.cache_key)
-        ctx, stop_sequences = self._context(tokenizer, plan, args)
+        cache, cached = self._fetch_cache(lm, plan.cache_key)
+        ctx, stop_sequences = self._context(lm, plan, args)
         ctx.prompt_cache_count = cached
-        if self._vision is not None:
+        if _vision(lm) is not None:
             try:
                 cache, ctx.prompt_cache_count, cached = self._resume(
-                    model, plan, segments, cache, cached, channel)
+                    lm, plan, segments, cache, cached, channel)
             except _Cancelled:
                 channel.removed()
                 logging.info("Stopped the image prefill of a cancelled request")
@@ -973,35 +1150,25 @@ class Engine:
         return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
                          *segments, planned.constraint)
 
-    def _count(self, channel, request, args, batch):
+    def _count(self, lm, channel, request, args):
         """Plan a request and answer its context only: the prompt's size, as
         the same request would be generated (count_tokens)."""
-        if batch is not None:
-            tokenizer = batch.tokenizer
-        else:
-            try:
-                _, tokenizer = self._load(args)
-            except ModelLoadError as e:
-                channel.put(e)
-                return
-        plan = self._plan(tokenizer, request, args).plan  # PromptError: the guard answers
-        ctx, _ = self._context(tokenizer, plan, args)
+        plan = self._plan(lm, request, args).plan  # PromptError: the guard answers
+        ctx, _ = self._context(lm, plan, args)
         ctx.prompt_cache_count = 0
         channel.put(ctx)
         channel.put(None)
 
     def count_prompt(self, request, args) -> Optional[int]:
-        """The prompt size of a text request for the model now loaded, planned
-        on the caller's thread (count_tokens). None: not answerable here (no
-        model loaded, another model named, or images to expand)."""
-        provider = self.model_provider
-        tokenizer = provider.tokenizer
-        if (tokenizer is None or provider.model_key is None
-                or provider.key_for(args.model) != provider.model_key
-                or (request.request_type == "chat" and any(_image_parts(request.messages)))):
+        """The prompt size of a text request for a loaded model, planned on
+        the caller's thread (count_tokens). None: not answerable here (that
+        model not loaded, or images to expand)."""
+        lm = self.model_provider.get(self.model_provider.key_for(args.model))
+        if lm is None or (request.request_type == "chat"
+                          and any(_image_parts(request.messages))):
             return None
         # A copy: templating converts the messages in place.
-        plan = self._build_plan(tokenizer, provider.processor, copy.deepcopy(request), args)
+        plan = self._build_plan(lm, copy.deepcopy(request), args)
         return len(plan.tokens)
 
     def _forget(self, channel):
@@ -1010,19 +1177,18 @@ class Engine:
         if self._current is channel:
             self._current = None
 
-    def _serve_single(self, channel, request, args, stream):
+    def _serve_single(self, lm, channel, request, args, stream):
         """Sequential path: seed, draft model, images (and --kv-bits on models
         quantized_batch.py does not batch)."""
         tic = time.perf_counter()
         self.admitted += 1
         try:
-            model = self.model_provider.model
-            tokenizer = self.model_provider.tokenizer
-            draft_model = self.model_provider.draft_model
-            planned = self._plan(tokenizer, request, args)
+            model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
+            vision_support = _vision(lm)
+            planned = self._plan(lm, request, args)
             plan, constraint = planned.plan, planned.constraint
-            segments = self._split(plan, self._shared_depth(plan))
-            ctx, stop_sequences = self._context(tokenizer, plan, args)
+            segments = self._split(plan, self._shared_depth(lm, plan))
+            ctx, stop_sequences = self._context(lm, plan, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
             sampler = _make_sampler(args, tokenizer)
@@ -1037,11 +1203,11 @@ class Engine:
                 logits_processors.append(constraint)
 
             cache_key = plan.cache_key
-            cache, ctx.prompt_cache_count = self._fetch_cache(cache_key)
+            cache, ctx.prompt_cache_count = self._fetch_cache(lm, cache_key)
             covered = ctx.prompt_cache_count
-            if self._vision is not None:
+            if vision_support is not None:
                 cache, ctx.prompt_cache_count, covered = self._resume(
-                    model, plan, segments, cache, covered, channel
+                    lm, plan, segments, cache, covered, channel
                 )
             rest = plan.tokens[covered:]
             if cache is None:
@@ -1052,13 +1218,13 @@ class Engine:
 
             progress = self._prefill_progress(channel, cache)
 
-            if draft_model is None and (plan.vision is None or self._vision is not None):
-                rest = self._prefill_checkpoints(model, cache, plan, segments, covered,
+            if draft_model is None and (plan.vision is None or vision_support is not None):
+                rest = self._prefill_checkpoints(lm, cache, plan, segments, covered,
                                                  progress)
 
             input_embeddings = None
             vision = plan.vision
-            if vision is not None and self._vision is None:  # mlx-lm's own vision models
+            if vision is not None and vision_support is None:  # mlx-lm's own vision models
                 n = sum(i < ctx.prompt_cache_count for i in vision.starts)
                 if pixel_values := vision.pixel_values[n:]:
                     tic = time.perf_counter()
@@ -1122,7 +1288,7 @@ class Engine:
                 channel.removed()
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
-            self._store(cache_key, cache, "generated", reply_start=len(plan.tokens))
+            self._store(lm, cache_key, cache, "generated", reply_start=len(plan.tokens))
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
@@ -1144,7 +1310,7 @@ class Engine:
             channel.put(error)
 
 
-    def _prefill_checkpoints(self, model, cache, plan, segments, cached, progress):
+    def _prefill_checkpoints(self, lm, cache, plan, segments, cached, progress):
         """Sequential path: prefill up to each checkpoint and store a copy there.
 
         The positions the batched path stores: the ends of `segments` (the
@@ -1152,8 +1318,9 @@ class Engine:
         its last token. Returns the tokens left for stream_generate.
         """
         segments, kinds = _drop_cached(*segments, cached)
-        if not self._keep_checkpoints(model):
+        if not self.keep_checkpoints(lm):
             return plan.tokens[cached:]
+        model = lm.model
         if len(segments[-1]) > 1:  # kinds already has one entry per end
             last = segments.pop()
             segments += [last[:-1], last[-1:]]
@@ -1165,22 +1332,27 @@ class Engine:
                 mx.eval([c.state for c in cache])
                 progress(done + min(i + step, len(segment)), total)
             done += len(segment)
-            self._store(plan.cache_key[:done], copy.deepcopy(cache), kind)
+            self._store(lm, plan.cache_key[:done], copy.deepcopy(cache), kind)
         return segments[-1]
+
+def _vision(lm) -> Optional[VisionSupport]:
+    """A model's vision support (mlx-vlm models), or None."""
+    return lm.processor if isinstance(lm.processor, VisionSupport) else None
+
 
 class _Batch:
     """A BatchGenerator and the requests in it, for one model."""
 
-    def __init__(self, engine: Engine, model, tokenizer, stream, keep_checkpoints: bool):
-        # What it uses of the engine: store, cli_args, model_provider.model_key,
-        # the counters (steps, tokens_out, thread_seconds), share_object,
-        # observe, log_store and relieve_memory.
+    def __init__(self, engine: Engine, lm, stream):
+        # What it uses of the engine: store, cli_args, the counters (steps,
+        # tokens_out, thread_seconds), share_object, observe, log_store,
+        # relieve_memory and in_flight_nbytes.
         self.engine = engine
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model = lm.model
+        self.tokenizer = lm.tokenizer
         self.stream = stream
-        self.model_key = engine.model_provider.model_key
-        self.keep_checkpoints = keep_checkpoints
+        self.model_key = lm.key
+        self.keep_checkpoints = engine.keep_checkpoints(lm)
         self.results: Dict[int, Dict[str, Any]] = {}
         self._outbox = []  # (channel, event) of the step running
         self._samplers = {}  # sampling settings -> sampler (see _sampler)
@@ -1496,7 +1668,7 @@ class _Batch:
         upstream's --prompt-cache-bytes does): the store gives way as they
         grow."""
         store = self.engine.store
-        store.trim_to(store.max_bytes - self.owned_nbytes())
+        store.trim_to(store.max_bytes - self.engine.in_flight_nbytes())
 
 
 # OpenAI's logprob for "very unlikely": what a token a constraint masked out

@@ -1,66 +1,216 @@
-"""Model loading: mlx_lm.server's ModelProvider, with the demo default.
+"""Models: the served set, and the models loaded from it.
 
-Upstream's ModelProvider (lazy load, adapters, draft models, sharded loading
-under mx.distributed, processor for images) is reused as it is. Ours adds:
-  * with no --model, the embedded SmolLM2 demo model (converted on first use);
-  * the names a client learns from /v1/models (the resolved --model path) and
-    the --model string itself map to the default model instead of loading it
-    a second time under another key.
+Loading is mlx_lm.server's own: each loaded model is an upstream
+ModelProvider holding just that model (`LoadedModel`: lazy load, adapters,
+draft models, sharded loading under mx.distributed, processor for images),
+plus mlx-vlm for vision-language folders. What this module adds:
+
+  * the served set (`ServedModel`): every --model (the first is the default
+    and pinned), the folders of --models-dir, and the entries of a
+    --models-config file (aliases, pinning, a TTL, sampling defaults);
+    anything else only with --allow-model-loading, as upstream;
+  * several models loaded at once (`ModelProvider.loaded`). Which to load or
+    unload, and when, is the engine's decision (it knows what runs where);
+    this module says what fits: --max-loaded-models and the machine's memory;
+  * with no --model, the embedded SmolLM2 demo model.
 """
 
-import gc
+import json
 import logging
+import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from .vision import configured_max_pixels, is_vision_model, load_vision_model
 
-
-class _Default:
-    model = "default_model"
-    adapter = None
-    draft = "default_model"
+# The sampling defaults a --models-config entry may set: its key -> the CLI
+# flag (argparse dest) it stands in for.
+MODEL_DEFAULTS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k",
+                  "min_p": "min_p", "max_tokens": "max_tokens"}
 
 
 def resolve_default_model(cli_args) -> None:
-    """Fill in --model with the demo model when none was given."""
-    if cli_args.model is None:
+    """Fill in --model with the demo model when nothing names a model."""
+    if (cli_args.model is None and not getattr(cli_args, "models_dir", None)
+            and not getattr(cli_args, "models_config", None)):
         from .demo import demo_model_path
 
         cli_args.model = str(demo_model_path())
+        cli_args.models = [cli_args.model]
         logging.info(f"No --model given: serving the demo model at {cli_args.model}")
 
 
-class ModelProvider(UpstreamModelProvider):
-    def __init__(self, cli_args):
+@dataclass
+class ServedModel:
+    """A model this server serves, loaded or not."""
+
+    name: str  # its id in /v1/models
+    path: str
+    adapter: Optional[str] = None
+    draft: Optional[str] = None
+    aliases: Tuple[str, ...] = ()  # other names requests may use
+    pinned: bool = False  # never unloaded for room or by TTL
+    ttl: Optional[float] = None  # idle seconds before unloading (None: --model-ttl)
+    defaults: Dict[str, Any] = field(default_factory=dict)  # flag dest -> value
+
+    @property
+    def key(self):
+        return (self.path, self.adapter, self.draft)
+
+
+def _entry(raw, where: str) -> ServedModel:
+    """A --models-config entry, checked (a bad config stops the server at
+    startup, not at the first request)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
+        raise ValueError(f"{where}: an entry needs a `path` string")
+    known = {"name", "path", "adapter_path", "draft_model", "aliases", "pinned", "ttl",
+             "defaults"}
+    if unknown := set(raw) - known:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    aliases = raw.get("aliases", [])
+    if not (isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)):
+        raise ValueError(f"{where}: `aliases` must be a list of strings")
+    ttl = raw.get("ttl")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                            or ttl < 0):
+        raise ValueError(f"{where}: `ttl` must be a number of seconds, at least 0")
+    defaults = raw.get("defaults", {})
+    if not isinstance(defaults, dict) or set(defaults) - set(MODEL_DEFAULTS):
+        raise ValueError(f"{where}: `defaults` may set {sorted(MODEL_DEFAULTS)}")
+    for k, v in defaults.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{where}: defaults.{k} must be a number")
+    path = raw["path"]
+    return ServedModel(
+        name=raw.get("name") or Path(path).name or path, path=path,
+        adapter=raw.get("adapter_path"), draft=raw.get("draft_model"),
+        aliases=tuple(aliases), pinned=bool(raw.get("pinned", False)),
+        ttl=None if ttl is None else float(ttl),
+        defaults={MODEL_DEFAULTS[k]: v for k, v in defaults.items()})
+
+
+def read_models_config(path) -> List[ServedModel]:
+    """A --models-config file: JSON, or YAML when it ends in .yaml/.yml:
+    `{"models": [{"path": ..., "name": ..., "aliases": [...], "pinned": true,
+    "ttl": 600, "adapter_path": ..., "draft_model": ..., "defaults":
+    {"temperature": 0.7, "max_tokens": 512}}]}`."""
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+        raise ValueError(f"{path}: expected an object with a `models` list")
+    return [_entry(raw, f"{path}: models[{i}]") for i, raw in enumerate(data["models"])]
+
+
+def served_set(cli_args) -> List[ServedModel]:
+    """What this server serves: every --model (the first with --adapter-path
+    and --draft-model, pinned), then --models-config's entries, then the
+    model folders in --models-dir (named by their folder)."""
+    served = []
+    for i, model in enumerate(getattr(cli_args, "models", None) or
+                              ([cli_args.model] if cli_args.model else [])):
+        aliases = set()
+        if Path(model).exists():
+            aliases.add(str(Path(model).resolve()))
+        first = i == 0
+        served.append(ServedModel(
+            name=str(Path(model).resolve()) if Path(model).exists() else model,
+            path=model, adapter=cli_args.adapter_path if first else None,
+            draft=cli_args.draft_model if first else None,
+            aliases=tuple(sorted(aliases | {model})), pinned=first))
+    if getattr(cli_args, "models_config", None):
+        served += read_models_config(cli_args.models_config)
+    if getattr(cli_args, "models_dir", None):
+        for folder in sorted(Path(cli_args.models_dir).iterdir()):
+            if (folder / "config.json").is_file():
+                served.append(ServedModel(name=folder.name, path=str(folder),
+                                          aliases=(str(folder.resolve()),)))
+    return served
+
+
+def weights_bytes_on_disk(path) -> int:
+    """The size of a local model folder's weight files (what loading it will
+    take, about), or 0 when it is not a local folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def memory_budget() -> int:
+    """Bytes the loaded models' weights, with the prompt cache's budget, may
+    take: Metal's recommended working set, else 90% of the machine's RAM."""
+    total = 0
+    try:
+        total = int(mx.device_info().get("max_recommended_working_set_size", 0))
+    except Exception:
+        pass
+    if not total:
+        total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.9)
+    return total
+
+
+def _arrays(obj, seen):
+    """Every mx.array a model holds, parameters or not (`_freqs` and the like)."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _arrays(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _arrays(v, seen)
+    if isinstance(obj, nn.Module):
+        for v in vars(obj).values():
+            yield from _arrays(v, seen)
+
+
+class LoadedModel(UpstreamModelProvider):
+    """One loaded model: an upstream ModelProvider that holds only it, with
+    how long it stays (the engine's residency fields)."""
+
+    def __init__(self, cli_args, key, pinned=False, ttl=None):
         super().__init__(cli_args)
-        model = cli_args.model
-        # Known before the model is loaded (on the generation thread), so the
-        # API can prepare images for it from the first request on.
-        self.default_is_vision = model is not None and is_vision_model(model)
-        # Read from the folder, so images are scaled alike (and fingerprinted
-        # alike) whether or not the model had finished loading.
-        self.default_image_max_pixels = (
-            configured_max_pixels(model) if self.default_is_vision else None)
-        if model is not None:
-            aliases = {model}
-            if Path(model).exists():
-                aliases.add(str(Path(model).resolve()))
-            for alias in aliases:
-                self._model_map.setdefault(alias, model)
-                self._adapter_map.setdefault(alias, cli_args.adapter_path)
+        self._load(*key)
+        # Loaded on the loader thread and used on the generation thread: an
+        # array left unevaluated here belongs to this thread's stream, and
+        # MLX can't evaluate it on another ("There is no Stream(cpu, 0) in
+        # current thread"). The vision tower (mlx-vlm's model) too.
+        roots = [self.model, self.draft_model, getattr(self.processor, "vlm", None)]
+        arrays = list(_arrays([r for r in roots if r is not None], set()))
+        mx.eval(arrays)
+        self.key = key
+        self.pinned = pinned
+        self.ttl = ttl  # this model's idle TTL, None: --model-ttl
+        self.keep_alive: Optional[float] = None  # the last request's keep_alive
+        self.last_used = time.monotonic()
+        self.loaded_at = time.time()
+        self.load_seconds = 0.0
+        self.nbytes = sum(a.nbytes for a in arrays)  # (each array once: `seen`)
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         """Vision-language models (vision.VISION_MODEL_TYPES) through mlx-vlm;
-        everything else as upstream."""
+        everything else as upstream's ModelProvider._load (0.32.2) does, but
+        for its first step: dropping the model it held and a gc.collect(),
+        which holds the GIL for ~50 ms (a stall of every model generating
+        meanwhile on the generation thread) and has nothing to free here."""
         if not (is_vision_model(model_path) and adapter_path is None
                 and draft_model_path is None and not self.is_distributed):
-            return super()._load(model_path, adapter_path, draft_model_path)
-        self.reset()
-        gc.collect()
-        mx.clear_cache()
+            return self._load_text(model_path, adapter_path, draft_model_path)
         model, tokenizer, vision = load_vision_model(model_path)
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
@@ -72,21 +222,176 @@ class ModelProvider(UpstreamModelProvider):
         self.is_batchable = True
         logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm)")
 
-    def is_served(self, desc) -> bool:
-        """Whether a request's model/adapters/draft_model may be used.
+    def _load_text(self, model_path, adapter_path, draft_model_path):
+        if self.is_distributed and (adapter_path is not None
+                                    or draft_model_path is not None):
+            raise ValueError("Loading with adapters or draft models not supported in "
+                             "distributed mode")
+        if self.is_distributed:
+            model, tokenizer, config = upstream.sharded_load(
+                model_path, pipeline_group=self.pipeline_group,
+                tensor_group=self.tensor_group, return_config=True,
+                tokenizer_config=self._tokenizer_config,
+                trust_remote_code=self.cli_args.trust_remote_code)
+        else:
+            model, tokenizer, config = upstream.load(
+                model_path, adapter_path=adapter_path, tokenizer_config=self._tokenizer_config,
+                return_config=True, trust_remote_code=self.cli_args.trust_remote_code)
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        draft_model = None
+        if draft_model_path is not None:
+            draft_model, draft_tokenizer = upstream.load(draft_model_path)
+            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+                logging.warning("Draft model tokenizer does not match model tokenizer. "
+                                "Speculative decoding may not work as expected.")
+        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = upstream.load_processor(model, config)
+        self.draft_model = draft_model
+        self.is_batchable = draft_model is None and all(
+            hasattr(c, "merge") for c in upstream.make_prompt_cache(model))
 
-        The configured model (under any of its names) always; anything else
-        only with --allow-model-loading. Upstream loads whatever is named, and
-        a name that fails to load leaves it with no model at all.
-        """
-        if self.cli_args.allow_model_loading:
-            return True
-        default = self.key_for(_Default)
-        return self.key_for(desc) == default
+    def idle_limit(self, default_ttl: Optional[float]) -> Optional[float]:
+        """Idle seconds after which this model may be unloaded (None: never).
+        A request's keep_alive (Ollama's: negative is forever, 0 at once)
+        overrides the TTL; pinned models stay whatever it says."""
+        if self.pinned:
+            return None
+        if self.keep_alive is not None:
+            return None if self.keep_alive < 0 else self.keep_alive
+        ttl = self.ttl if self.ttl is not None else default_ttl
+        return ttl if ttl else None
+
+
+class ModelProvider:
+    """The served set, the names requests use for it, and the loaded models.
+
+    `loaded` is changed only by the generation thread (`add`, `unload`) and
+    read from any thread (a dict's get and copy are atomic under the GIL).
+    """
+
+    def __init__(self, cli_args):
+        self.cli_args = cli_args
+        group = mx.distributed.init()
+        self.is_distributed = group.size() > 1
+        self.served: List[ServedModel] = served_set(cli_args)
+        self._names: Dict[str, ServedModel] = {}
+        for entry in self.served:
+            for name in (entry.name, entry.path, *entry.aliases):
+                self._names.setdefault(name, entry)
+        self.default: Optional[ServedModel] = self.served[0] if self.served else None
+        if self.default is not None:
+            self._names["default_model"] = self.default
+        self.loaded: Dict[Any, LoadedModel] = {}
+        self.loads = 0  # models loaded since the start (/metrics)
+        self.unloads = 0
+        # Known before the model is loaded (on the generation thread), so the
+        # API can prepare images for it from the first request on.
+        self._vision_facts: Dict[Any, Tuple[bool, Optional[int]]] = {}
+
+    @property
+    def default_key(self):
+        return self.default.key if self.default is not None else None
+
+    def entry(self, name) -> Optional[ServedModel]:
+        return self._names.get(name)
 
     def key_for(self, desc):
-        """The (model, adapter, draft) key `load` would use for a request."""
-        adapter = self._adapter_map.get(desc.model, desc.adapter)
-        model = self._model_map.get(desc.model, desc.model)
-        draft = self._draft_model_map.get(desc.draft, desc.draft)
-        return (model, adapter, draft)
+        """The (model, adapter, draft) key a request's model/adapters/
+        draft_model name. A served name brings its own adapter (the request's
+        is ignored, as before); draft_model "default_model" means the served
+        entry's draft, or --draft-model for other names (upstream's map)."""
+        entry = self._names.get(desc.model)
+        draft = desc.draft
+        if draft == "default_model":
+            draft = entry.draft if entry is not None else self.cli_args.draft_model
+        elif draft in self._names:
+            draft = self._names[draft].path
+        if entry is not None:
+            return (entry.path, entry.adapter, draft)
+        return (desc.model, desc.adapter, draft)
+
+    def is_served(self, desc) -> bool:
+        """Whether a request's model/adapters/draft_model may be used: the
+        served set under any of its names; anything else only with
+        --allow-model-loading (upstream loads whatever is named)."""
+        if self.cli_args.allow_model_loading:
+            return True
+        return self.key_for(desc) in {e.key for e in self.served}
+
+    def defaults_for(self, name):
+        """The CLI arguments a request naming `name` is parsed with: the
+        server's, with that model's sampling defaults from --models-config."""
+        entry = self._names.get(name) if isinstance(name, str) else None
+        if entry is None or not entry.defaults:
+            return self.cli_args
+        from argparse import Namespace
+
+        return Namespace(**{**vars(self.cli_args), **entry.defaults})
+
+    def get(self, key) -> Optional[LoadedModel]:
+        return self.loaded.get(key)
+
+    def load(self, key) -> LoadedModel:
+        """Load `key` on the calling thread (not yet in `loaded`: `add` it)."""
+        entry = next((e for e in self.served if e.key == key), None)
+        tic = time.perf_counter()
+        # (Under mx.distributed one model at a time, as upstream: none pinned.)
+        pinned = entry is not None and entry.pinned and not self.is_distributed
+        lm = LoadedModel(self.cli_args, key, pinned=pinned,
+                         ttl=entry.ttl if entry is not None else None)
+        lm.load_seconds = time.perf_counter() - tic
+        logging.info(f"Loaded model {key[0]} in {lm.load_seconds:.1f} s "
+                     f"({lm.nbytes / 1e9:.2f} GB)")
+        return lm
+
+    def add(self, lm: LoadedModel):
+        self.loaded[lm.key] = lm
+        self.loads += 1
+
+    def unload(self, key, why: str):
+        lm = self.loaded.pop(key, None)
+        if lm is not None:
+            self.unloads += 1
+            logging.info(f"Unloaded model {key[0]} ({why}; {lm.nbytes / 1e9:.2f} GB)")
+
+    def reset(self):
+        self.loaded.clear()
+
+    def default_is_vision(self, key) -> bool:
+        return self._vision_fact(key)[0]
+
+    def image_max_pixels(self, key) -> Optional[int]:
+        return self._vision_fact(key)[1]
+
+    def _vision_fact(self, key):
+        if key not in self._vision_facts:
+            vision = key is not None and is_vision_model(key[0])
+            self._vision_facts[key] = (vision, configured_max_pixels(key[0]) if vision
+                                       else None)
+        return self._vision_facts[key]
+
+    def fits(self, key, extra_bytes: int = 0) -> bool:
+        """Whether `key` may be loaded beside the models loaded now: fewer
+        than --max-loaded-models, and its weights on disk, the loaded
+        weights and `extra_bytes` (the prompt cache's budget) within the
+        machine's memory. (Nothing loaded: always, as upstream. Under
+        mx.distributed, one model at a time.)"""
+        if not self.loaded:
+            return True
+        if self.is_distributed or len(self.loaded) >= max(1, self.cli_args.max_loaded_models):
+            return False
+        held = sum(lm.nbytes for lm in self.loaded.values())
+        return held + weights_bytes_on_disk(key[0]) + extra_bytes <= self.memory_budget()
+
+    def memory_budget(self) -> int:
+        return memory_budget()
+
+    def name_for(self, key) -> str:
+        """A key's name in /v1/models and in the metrics' `model` label: its
+        served entry's name, else "other" (a name a client made up must not
+        become a label)."""
+        entry = next((e for e in self.served if e.key == key), None)
+        return entry.name if entry is not None else "other"

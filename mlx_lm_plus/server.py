@@ -41,6 +41,10 @@ OUR_FLAGS = (
     "--prompt-cache-bits",
     "--prompt-cache-dir",
     "--prompt-cache-disk-bytes",
+    "--models-dir",
+    "--models-config",
+    "--max-loaded-models",
+    "--model-ttl",
 )
 
 # --prompt-cache-disk-bytes when only --prompt-cache-dir is given.
@@ -56,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=str,
         help="The path to the MLX model weights, tokenizer, and config. "
-        "Default: the embedded SmolLM2-135M-Instruct demo model.",
+        "Default: the embedded SmolLM2-135M-Instruct demo model. (mlx_lm_plus) "
+        "May be given more than once to serve several models; the first is "
+        "the default (requests without `model`) and stays loaded.",
     )
     parser.add_argument(
         "--adapter-path",
@@ -250,6 +256,42 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_DISK_BYTES})",
     )
     parser.add_argument(
+        "--models-dir",
+        type=str,
+        default=None,
+        help="(mlx_lm_plus) Serve every model folder (one with a config.json) "
+        "in this directory, named by its folder; each loads on its first "
+        "request (default: none)",
+    )
+    parser.add_argument(
+        "--models-config",
+        type=str,
+        default=None,
+        help="(mlx_lm_plus) A JSON (or .yaml) file of models to serve: "
+        '{"models": [{"path": ..., "name": ..., "aliases": [...], "pinned": '
+        'true, "ttl": 600, "adapter_path": ..., "draft_model": ..., '
+        '"defaults": {"temperature": 0.7, "max_tokens": 512}}]} (README: '
+        "Several models)",
+    )
+    parser.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=3,
+        help="(mlx_lm_plus) Most models loaded at once; loading one more "
+        "unloads the least recently used idle one (never one with running "
+        "requests, never a pinned one). Memory bounds it too: the loaded "
+        "weights and the prompt cache budget stay within the machine's "
+        "(default: 3)",
+    )
+    parser.add_argument(
+        "--model-ttl",
+        type=float,
+        default=0,
+        help="(mlx_lm_plus) Unload a model that has been idle this many "
+        "seconds (not a pinned one; a request's `keep_alive` overrides it for "
+        "its model; default: 0, never)",
+    )
+    parser.add_argument(
         "--allow-model-loading",
         action="store_true",
         help="(mlx_lm_plus) Let requests load other local paths or repos named "
@@ -404,6 +446,23 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # --model may be repeated (upstream keeps the last): every one is
+    # served, the first is the default.
+    repeated = argparse.ArgumentParser(add_help=False)
+    repeated.add_argument("--model", action="append")
+    args.models = repeated.parse_known_args(argv)[0].model or []
+    args.model = args.models[0] if args.models else None
+    if args.max_loaded_models < 1 or args.model_ttl < 0:
+        parser.error("--max-loaded-models must be at least 1 and --model-ttl at least 0")
+    if args.models_dir and not os.path.isdir(args.models_dir):
+        parser.error(f"--models-dir {args.models_dir}: not a directory")
+    if args.models_config:
+        from .models import read_models_config
+
+        try:
+            read_models_config(args.models_config)
+        except Exception as e:
+            parser.error(f"--models-config: {e}")
     # Upstream keeps the unsplit default "*"; `"*" in "*"` holds, so CORS code
     # works on both shapes. Normalise to a list for our own code.
     if isinstance(args.allowed_origins, str):

@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -46,6 +47,9 @@ class Request(CompletionRequest):
     response_format: Optional[Dict[str, Any]] = None
     tool_choice: Any = None
     constraint: Any = None
+    # How long its model stays loaded once idle (Ollama's keep_alive, in
+    # seconds; negative: for good; None: the model's TTL).
+    keep_alive: Optional[float] = None
 
 
 @dataclass
@@ -366,6 +370,7 @@ def parse_request(
         raise RequestError("chat_template_kwargs must be of type dict")
     stop_words = _stop_words(body)
     request = _completion_request(path, body)
+    request.keep_alive = parse_keep_alive(body.get("keep_alive"))
     if request.request_type == "chat":  # a text completion's messages are unused
         _validate_images(body, cli)
     _structured_output(request, body)
@@ -403,3 +408,31 @@ def parse_request(
     return ParsedRequest(
         request, args, p["stream"], p["stream_options"], p["requested_model"]
     )
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_keep_alive(value) -> Optional[float]:
+    """Ollama's keep_alive: seconds as a number, or a Go duration string
+    ("10m", "1h30m", "-1"); negative keeps the model loaded for good, 0
+    unloads it once its requests are done."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+            if math.isfinite(seconds):
+                return seconds
+        except ValueError:
+            sign = -1.0 if text.startswith("-") else 1.0
+            body = text.lstrip("+-")
+            parts = _DURATION.findall(body)
+            if parts and "".join(n + u for n, u in parts) == body:
+                return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    raise RequestError("keep_alive must be a number of seconds or a duration such as "
+                       "\"5m\" or \"1h30m\" (negative: keep loaded)")

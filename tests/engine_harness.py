@@ -1,6 +1,7 @@
 """Run the engine in-process (no HTTP), for cache and batching tests."""
 
 import queue
+import time
 
 from mlx_lm.server import Response
 
@@ -41,6 +42,15 @@ class EngineRunner:
                                  share_kv=self.args.kv_bits is None)
         self.engine = Engine(self.provider, self.store)
         self.engine.start()
+
+    @property
+    def loaded(self):
+        """The default model once the generation thread has loaded it."""
+        deadline = time.monotonic() + 120
+        while (lm := self.provider.get(self.provider.default_key)) is None:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.01)
+        return lm
 
     def submit(self, body, path="/v1/chat/completions"):
         parsed = parse_request(path, {"max_tokens": 10, **body}, self.args)

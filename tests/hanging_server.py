@@ -14,20 +14,20 @@ _build_plan = engine.Engine._build_plan
 hang = []
 
 
-def build_plan(self, tokenizer, processor, request, args):
+def build_plan(self, lm, request, args):
     text = str(request.messages[-1].get("content")) if request.messages else ""
     if "HANG_PLAN" in text:  # a template that never finishes, say
         time.sleep(3600)
-    return _build_plan(self, tokenizer, processor, request, args)
+    return _build_plan(self, lm, request, args)
 
 
-def prepare(self, channel, request, args, *rest, **kw):
+def prepare(self, lm, channel, request, args, *rest, **kw):
     text = str(request.messages[-1].get("content")) if request.messages else ""
     if "HANG_ADMIT" in text:  # stuck while the request is being admitted
         time.sleep(3600)
     if "HANG" in text:
         hang.append(True)
-    return _prepare(self, channel, request, args, *rest, **kw)
+    return _prepare(self, lm, channel, request, args, *rest, **kw)
 
 
 def step(self):

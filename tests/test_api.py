@@ -17,8 +17,17 @@ from mlx_lm_plus.server import parse_args
 class ScriptedEngine:
     """Answers each submission from a script, on another thread like the real one."""
 
-    serves_vision = False
-    image_max_pixels = None
+    @staticmethod
+    def serves_vision(model):
+        return False
+
+    @staticmethod
+    def image_max_pixels(model):
+        return None
+
+    @staticmethod
+    def models():
+        return [{"id": "m", "loaded": True, "pinned": True}]
 
     def __init__(self, script=None):
         self.script = script or []
@@ -71,8 +80,9 @@ async def served(aiohttp_client, app):
 
 def make_client(aiohttp_client, engine, argv=()):
     args = parse_args(["--model", "m", *argv])
-    provider = Namespace(model=None, tokenizer=None, is_served=lambda desc: True,
-                         key_for=lambda desc: (desc.model, desc.adapter, None))
+    provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
+                         key_for=lambda desc: (desc.model, desc.adapter, None),
+                         defaults_for=lambda name: args, name_for=lambda key: "m")
     server = Server(args, engine, provider, "fp")
     return served(aiohttp_client, make_app(server))
 

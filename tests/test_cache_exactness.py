@@ -68,7 +68,7 @@ def test_cached_equals_cold(runners):
 
 def assert_store_invariant(runner):
     """Every stored entry holds exactly the state of its key's tokens."""
-    model = runner.provider.model
+    model = runner.loaded.model
     for entry in runner.store.entries():
         fresh = make_prompt_cache(model)
         model(mx.array(list(entry.key))[None], cache=fresh)

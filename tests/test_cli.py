@@ -72,6 +72,7 @@ def test_same_values_as_upstream(argv):
     ours = vars(parse_args(argv))
     for flag in OUR_FLAGS:
         ours.pop(flag.lstrip("-").replace("-", "_"))
+    assert ours.pop("models") == ([ours["model"]] if ours["model"] else [])
     theirs = vars(upstream_parser().parse_args(argv))
     if isinstance(theirs["allowed_origins"], str):
         theirs["allowed_origins"] = theirs["allowed_origins"].split(",")
@@ -94,3 +95,15 @@ def test_kv_bits_that_mlx_cannot_quantize_with_fail_at_startup(argv, capsys):
         parse_args(argv)
     assert "--kv-bits" in capsys.readouterr().err
     assert parse_args(["--kv-bits", "4", "--kv-group-size", "32"]).kv_bits == 4
+
+
+def test_model_repeated_serves_each_first_is_default(tmp_path, capsys):
+    args = parse_args(["--model", "a", "--port", "9", "--model=b", "--model", "c"])
+    assert (args.model, args.models, args.port) == ("a", ["a", "b", "c"], 9)
+    bad = tmp_path / "models.json"
+    bad.write_text('{"models": [{"path": "x", "ttl": -1}]}')
+    for argv in (["--models-config", str(bad)], ["--models-dir", str(tmp_path / "none")],
+                 ["--max-loaded-models", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "ttl" in capsys.readouterr().err

@@ -86,7 +86,7 @@ def test_disk_hits_equal_cold_generation(kind, fixture_path, tmp_path):
                 continue
             for i, body in enumerate(bodies):
                 tokens, _, cached = disk.run(body)
-                disk.store.disk_for(disk.provider.model_key).flush(10)
+                disk.store.disk_for(disk.provider.default_key).flush(10)
                 assert tokens == cold.run(body)[0], (kind, name, i)
                 hits += cached > 0
         snap = disk.store.snapshot()

@@ -45,7 +45,7 @@ def test_a_fault_while_removing_a_cancelled_request_spares_the_loop(runner, monk
     other = runner.submit(chat("Another question", max_tokens=40))
     wait_tokens(doomed, 3)
 
-    target = runner.store if fault == "store" else engine._batch.generator
+    target = runner.store if fault == "store" else next(iter(engine._batches.values())).generator
     name = "insert" if fault == "store" else "remove"
     real = getattr(target, name)
     fired = []
@@ -113,10 +113,10 @@ def test_queued_copies_of_stored_entries_are_not_counted(runner):
     runner.run(chat(LONG, max_tokens=2))
     engine = runner.engine
     (entry,) = runner.store.entries()
-    fetched = runner.store.fetch(runner.provider.model_key, list(entry.key) + [5, 6])
+    fetched = runner.store.fetch(runner.provider.default_key, list(entry.key) + [5, 6])
     assert fetched.cache is not None
     batch = engine_module._Batch.__new__(engine_module._Batch)
-    batch.generator = BatchGenerator(runner.provider.model)
+    batch.generator = BatchGenerator(runner.loaded.model)
     batch.generator.insert_segments(segments=[[[5, 6]]], max_tokens=[1],
                                     caches=[fetched.cache],
                                     all_tokens=[list(entry.key)])
@@ -128,7 +128,7 @@ def test_queued_copies_of_stored_entries_are_not_counted(runner):
 def fail_next_model_call(runner, monkeypatch, message):
     """The model's next forward pass raises RuntimeError(message), as MLX
     does when an allocation fails; the calls after it run as usual."""
-    model_type = type(runner.provider.model)
+    model_type = type(runner.loaded.model)
     real_call = model_type.__call__
     armed = [True]
 
@@ -182,7 +182,7 @@ def test_rows_with_the_same_sampling_share_one_sampler(runner):
 
     runner.run(chat("Load the model.", max_tokens=1))
     batch = engine_module._Batch.__new__(engine_module._Batch)
-    batch._samplers, batch.tokenizer = {}, runner.provider.tokenizer
+    batch._samplers, batch.tokenizer = {}, runner.loaded.tokenizer
 
     def args(temperature, xtc=0.0, top_p=1.0):
         return SimpleNamespace(sampling=SimpleNamespace(

@@ -358,7 +358,7 @@ def test_disk_tier_resumes_batched_entries(mid, tmp_path):
     try:
         for runner in (disk, memory):
             runner.run(body(1))
-        disk.store.disk_for(disk.provider.model_key).flush(10)
+        disk.store.disk_for(disk.provider.default_key).flush(10)
         from_disk, from_memory = disk.run(follow), memory.run(follow)
         assert from_disk == from_memory and from_disk[2] > 0
         assert disk.store.snapshot()["hits_by_tier"] == {"memory": 0, "disk": 1}

@@ -66,7 +66,7 @@ async def test_loop_crash_fails_held_requests_then_restarts(
 
         prompts = ["Tell me about rivers.", "What is a boat?"]
         before = [await content(p) for p in prompts]
-        model = engine.model_provider.model
+        model = engine.model_provider.get(engine.model_provider.default_key).model
 
         # Three requests in the batch, mid-decode, when the loop raises.
         long = {"max_tokens": 5000}
@@ -102,7 +102,7 @@ async def test_loop_crash_fails_held_requests_then_restarts(
             assert time.monotonic() < deadline, "the engine did not come back"
             await asyncio.sleep(0.1)
         assert engine.restarts == 1
-        assert engine.model_provider.model is model  # not reloaded
+        assert engine.model_provider.get(engine.model_provider.default_key).model is model  # not reloaded
         assert [await content(p) for p in prompts] == before
         # And batching still works after the restart.
         again = await asyncio.gather(*(content(p) for p in prompts))

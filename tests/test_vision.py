@@ -66,7 +66,7 @@ def cold(fixture_path, kind):
 
 
 def calls(r):
-    return r.provider.processor.calls
+    return r.loaded.processor.calls
 
 
 def test_matches_mlx_vlm_generate(runner, fixture_path, kind, tmp_path):
@@ -105,7 +105,7 @@ def test_output_with_cache_equals_cold(runner, cold, kind, name):
         if name == "image then text follow-ups":
             history = list(messages)
             for turn in ("Are you sure?", "Say it again in other words."):
-                reply = runner.provider.tokenizer.decode(again)
+                reply = runner.loaded.tokenizer.decode(again)
                 history += [{"role": "assistant", "content": reply}, user(turn)]
                 before, previous_prompt = calls(runner), prompt
                 again, prompt, cached = runner.run({"messages": history, "max_tokens": 10})
@@ -132,9 +132,9 @@ def test_same_image_hits_reencoded_hits_different_image_misses(runner, cold):
     assert calls(runner) == before
     assert other == cold.run({"messages": [user(image_part(GREEN), "Name its colour.")],
                               "max_tokens": 8})[0]
-    vision = runner.provider.processor
+    vision = runner.loaded.processor
     tokens, plan_images = vision.prepare(
-        runner.provider.tokenizer.apply_chat_template(
+        runner.loaded.tokenizer.apply_chat_template(
             [user(image_part(GREEN), "Name its colour.")], add_generation_prompt=True,
             tokenize=False), [GREEN])
     assert cached >= plan_images.images[0].end
@@ -178,8 +178,8 @@ def test_rope_deltas_match_mlx_vlm(runner):
     """Our per-image M-RoPE delta is mlx-vlm's rope index delta."""
     import mlx.core as mx
 
-    vision = runner.provider.processor
-    text = runner.provider.tokenizer.apply_chat_template(
+    vision = runner.loaded.processor
+    text = runner.loaded.tokenizer.apply_chat_template(
         [user(image_part(GREEN), "x", image_part(RED), "y")], add_generation_prompt=True,
         tokenize=False)
     tokens, images = vision.prepare(text, [GREEN, RED])
@@ -260,7 +260,7 @@ def test_image_prefill_in_small_chunks_and_resumed_mid_prompt(fixture_path, kind
             body = {"messages": messages, "max_tokens": 8}
             tokens, prompt, cached = r.run(body)
             assert tokens == cold.run(body)[0]
-        assert cached > 0 and r.provider.processor.calls == 2  # the first was not encoded again
+        assert cached > 0 and r.loaded.processor.calls == 2  # the first was not encoded again
     finally:
         r.close()
 
@@ -279,7 +279,7 @@ def test_shared_system_prompt_then_other_images(runner, cold):
         assert tokens == cold.run(body)[0]
         assert calls(runner) == before + i + 1
         if i:
-            system_end = runner.provider.tokenizer.apply_chat_template(
+            system_end = runner.loaded.tokenizer.apply_chat_template(
                 [system], tokenize=True)
             assert cached >= len(system_end)
 
@@ -422,6 +422,8 @@ def test_image_scaling_is_known_before_the_model_loads(fixture_path):
     """Images decoded before the generation thread has loaded the model are
     scaled (and so fingerprinted) as later ones: the limit comes from the
     model folder, and equals the loaded processor's."""
+    from mlx_lm.server import ModelDescription
+
     from mlx_lm_plus.engine import Engine
     from mlx_lm_plus.models import ModelProvider
     from mlx_lm_plus.server import parse_args
@@ -429,7 +431,8 @@ def test_image_scaling_is_known_before_the_model_loads(fixture_path):
     path = fixture_path("qwen2_vl")
     provider = ModelProvider(parse_args(["--model", str(path)]))
     engine = Engine(provider, store=None)
-    before = engine.image_max_pixels
-    assert before is not None
-    provider.load_default()
-    assert engine.image_max_pixels == before
+    default = ModelDescription("default_model", "default_model", None)
+    before = engine.image_max_pixels(default)
+    assert before is not None and engine.serves_vision(default)
+    provider.add(provider.load(provider.default_key))
+    assert engine.image_max_pixels(default) == before
