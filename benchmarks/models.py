@@ -10,7 +10,8 @@ Figures (medians over --rounds):
   * decode throughput of A and B streaming at once against each alone
     (one generation thread steps both batches in turn);
   * what a load costs the model already running: the largest gap between
-    A's tokens while B loads, against A alone.
+    A's tokens while B loads and runs its first steps (its prefill, which
+    takes turns with A's decode), against A alone.
 Default models: two tiny fixtures (qwen3 and llama). On them a load takes
 milliseconds; a real model's load is seconds, which is what the switch and
 the stall figures then show.
@@ -87,7 +88,7 @@ async def ours_figures(url, tokenizer, a, b, rounds, max_tokens):
         figures["decode tok/s A+B at once (sum)"] = round(median(
             [x + y for x, y in zip(both_a, both_b)]), 1)
         figures["A's largest token gap (s): alone"] = round(median(base_gap), 4)
-        figures["A's largest token gap (s): while B loads"] = round(median(load_gap), 4)
+        figures["A's largest token gap (s): while B loads and starts"] = round(median(load_gap), 4)
     return figures
 
 

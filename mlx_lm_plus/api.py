@@ -129,7 +129,6 @@ class Server:
         # thread.
         self._planner = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="mlx_lm_plus-planning")
-        self._vocab = {}  # loaded model -> vocabulary size
         # Wire protocols beyond chat completions, by the paths they serve.
         self.protocols: List[WireProtocol] = []
 
@@ -503,28 +502,12 @@ class Server:
             logging.exception("Planning a prompt failed")
 
     def _vocab_size(self, name):
-        """The larger of the vocabulary sizes of model `name`'s model and
-        tokenizer (for logit_bias validation; None while it isn't loaded),
-        read once per loaded model: a fast tokenizer builds its whole
-        vocabulary dict on each `vocab`."""
+        """Model `name`'s vocabulary size for the top_k and logit_bias checks
+        (None while it isn't loaded: the engine checks once it is)."""
         desc = ModelDescription(name if isinstance(name, str) else "default_model",
                                 "default_model", None)
         lm = self.model_provider.get(self.model_provider.key_for(desc))
-        if lm is None:
-            return None
-        ident = (lm.key, lm.loaded_at)  # (not the model: it would never be freed)
-        if ident in self._vocab:
-            return self._vocab[ident]
-        sizes = []
-        if hasattr(lm.model, "args"):
-            sizes.append(getattr(lm.model.args, "vocab_size", None))
-        sizes.append(len(lm.tokenizer.vocab) if hasattr(lm.tokenizer, "vocab") else None)
-        sizes = [s for s in sizes if isinstance(s, int)]
-        size = max(sizes) if sizes else None
-        if len(self._vocab) > 16:  # (models unloaded since)
-            self._vocab.clear()
-        self._vocab[ident] = size
-        return size
+        return lm.vocab_size if lm is not None else None
 
     async def handle_completion(self, request: web.Request,
                                 protocol: Optional[WireProtocol] = None):
@@ -580,7 +563,7 @@ class Server:
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model
-        track.record.served_model = provider.name_for(provider.key_for(parsed.args.model))
+        track.record.served_model = provider.name_for(parsed.args.model)
         track.record.stream = parsed.stream
         if not provider.is_served(parsed.args.model):
             desc = parsed.args.model

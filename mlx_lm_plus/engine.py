@@ -73,6 +73,7 @@ from .cache import PromptStore, cache_nbytes, is_plain_kv
 from .constraints import ConstraintError, processor_for
 from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
+from .validation import RequestError, check_vocab
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 
 
@@ -89,13 +90,17 @@ PARK_MIN_TOKENS = 32
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
 # What a request taken off the queue waits for (Engine._readiness): nothing
-# (READY), a model load on the loader thread (LOADING: later requests may go
-# first), or the end of requests running on other models (BLOCKED: a model
-# must go idle to make room, or a sequential request needs the thread; later
-# requests wait behind it so the running ones drain).
-READY, LOADING, BLOCKED = "ready", "loading", "blocked"
+# (READY); a model load on the loader thread (LOADING: later requests may go
+# first); a model that must go idle to make room for its own (ROOM: later
+# requests wait behind it, but for those of pinned models, so the running
+# ones drain); or, served sequentially, the thread to itself (BLOCKED: every
+# later request waits behind it).
+READY, LOADING, ROOM, BLOCKED = "ready", "loading", "room", "blocked"
 # Seconds between two looks at idle models (TTL, keep_alive).
 HOUSEKEEPING_EVERY = 0.25
+# Seconds between two keepalives to the requests set aside (waiting for a
+# model to load or for room): a stream's client and proxies see it is alive.
+KEEPALIVE_EVERY = 5.0
 # Exit status of a process whose generation thread hung (EX_SOFTWARE): a
 # supervisor restarts it (README: systemd and launchd examples).
 HANG_EXIT_STATUS = 70
@@ -249,6 +254,8 @@ class Engine:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-loader")
         self._loading: Optional[tuple] = None
         self._housekept = 0.0  # when idle models were last looked at
+        self._kept_alive = 0.0  # when the requests set aside last got a keepalive
+        self._started = False  # the default model is loaded at the first start only
         self._current = None
         self._current_key = None  # the model of the request served sequentially
         self._clear_buffers = False
@@ -310,6 +317,12 @@ class Engine:
             since = self._planning_since
             if since is not None and time.monotonic() - since > limit:
                 self._on_hang("planning a prompt", time.monotonic() - since)
+                return
+            # The loader thread: a stuck load holds every later one back.
+            loading = self._loading
+            if loading is not None and time.monotonic() - loading[2] > limit:
+                self._on_hang(f"loading model {loading[0][0]}",
+                              time.monotonic() - loading[2])
                 return
 
     def _on_hang(self, what: str, seconds: float):
@@ -467,18 +480,23 @@ class Engine:
         provider = self.model_provider
         now = time.monotonic()
         batches, loaded = dict(self._batches), dict(provider.loaded)
-        served = {e.key: e for e in provider.served}
-        loading = self._loading[0] if self._loading is not None else None
+        served = {e.key for e in provider.served}
+        loading = self._loading  # (read once: this thread may clear it meanwhile)
+        loading = loading[0] if loading is not None else None
         out = []
-        for key in list(served) + [k for k in loaded if k not in served]:
-            lm, entry, batch = loaded.get(key), served.get(key), batches.get(key)
+        # One row per served entry (presets of one folder share its state),
+        # then the models loaded on request.
+        for entry, key in ([(e, e.key) for e in provider.served]
+                           + [(None, k) for k in loaded if k not in served]):
+            lm, batch = loaded.get(key), batches.get(key)
             active = (len(batch.results) if batch is not None else 0) + (
                 self._current_key == key)
             out.append({
                 "id": entry.name if entry is not None else key[0],
                 "loaded": lm is not None,
                 "loading": key == loading,
-                "pinned": lm.pinned if lm is not None else bool(entry and entry.pinned),
+                "pinned": lm.pinned if lm is not None else any(
+                    e.pinned for e in provider.served if e.key == key),
                 "weights_bytes": lm.nbytes if lm is not None else 0,
                 "load_seconds": round(lm.load_seconds, 2) if lm is not None else None,
                 "active_requests": active,
@@ -909,9 +927,14 @@ class Engine:
     def _take_request(self):
         """The next request to admit: the first one set aside that can go now,
         else a new one off the queue (set aside if it can't go yet). None
-        when there is nothing to admit (or a request set aside blocks the
-        queue until the running requests drain)."""
+        when there is nothing to admit. A request set aside that is BLOCKED
+        holds back every request after it (the running ones drain); one
+        waiting for ROOM holds back all but those for pinned models (which
+        are never the ones unloaded to make room)."""
+        room_wait = False
         for request in list(self._pending):
+            if room_wait and not self._for_pinned(request):
+                continue
             state = self._readiness(request)
             if state is READY or isinstance(state, Exception):
                 self._pending.remove(request)
@@ -920,6 +943,8 @@ class Engine:
                 request[0].put(state)
             elif state is BLOCKED:
                 return None
+            elif state is ROOM:
+                room_wait = True
         busy = self._any_active()
         if not busy:
             self._idle()
@@ -927,18 +952,27 @@ class Engine:
             timeout=None if busy else 0.02 if self._loading is not None else 0.1)
         if request is None:
             return None
-        state = self._readiness(request)
+        state = LOADING if room_wait and not self._for_pinned(request) else \
+            self._readiness(request)
         if state is READY:
             return request
         if isinstance(state, Exception):
             request[0].put(state)
         else:
             self._pending.append(request)
+            request[0].put((0, 0))  # (a stream gets its headers and a keepalive)
         return None
 
+    def _for_pinned(self, request) -> bool:
+        try:
+            lm = self.model_provider.get(self.model_provider.key_for(request[2].model))
+        except Exception:  # (_readiness answers it)
+            return True
+        return lm is not None and lm.pinned
+
     def _readiness(self, request):
-        """READY, LOADING or BLOCKED (see their definition), or the error the
-        request gets. Starts the request's model loading when it isn't
+        """READY, LOADING, ROOM or BLOCKED (see their definition), or the
+        error the request gets. Starts the request's model loading when it isn't
         loaded and there is room."""
         try:
             return self._find_readiness(request)
@@ -969,9 +1003,9 @@ class Engine:
 
     def _make_room(self, key):
         """READY when model `key` may be loaded now (idle models unloaded for
-        it, least recently used first), BLOCKED while it must wait for a
-        model to go idle, or the error its requests get when it never can
-        (the models loaded are all pinned and fill --max-loaded-models)."""
+        it, least recently used first), ROOM while it must wait for a model
+        to go idle, or the error its requests get when it never can (the
+        models loaded are all pinned and fill --max-loaded-models)."""
         provider = self.model_provider
         extra = self.store.max_bytes or 0
         while not provider.fits(key, extra):
@@ -982,7 +1016,7 @@ class Engine:
                 self._unload(idle[0].key, "to make room for " + key[0])
                 continue
             if any(not lm.pinned for lm in provider.loaded.values()):
-                return BLOCKED  # one of them will be idle
+                return ROOM  # one of them will be idle
             if len(provider.loaded) >= max(1, self.cli_args.max_loaded_models):
                 return ModelLoadError(
                     f"Model {key[0]!r} can't be loaded: the {len(provider.loaded)} "
@@ -1006,7 +1040,8 @@ class Engine:
             self._loaded(lm)
             return READY
         logging.info(f"Loading model {key[0]} (requests for it wait; others go on)")
-        self._loading = (key, self._loader.submit(self.model_provider.load, key))
+        self._loading = (key, self._loader.submit(self.model_provider.load, key),
+                         time.monotonic())
         return LOADING
 
     def _loaded(self, lm):
@@ -1014,11 +1049,14 @@ class Engine:
         self._attach_disk(lm)
 
     def _load_default(self):
-        """The default model, loaded on this thread at the start (as upstream)."""
+        """The default model, loaded on this thread at the start (as upstream;
+        not again after a restart of the loop: it may have been unloaded,
+        and another model may be loading)."""
         key = self.model_provider.default_key
-        if key is not None and self.model_provider.get(key) is None:
+        if not self._started and key is not None and self.model_provider.get(key) is None:
             self._idle()
             self._loaded(self.model_provider.load(key))
+        self._started = True
 
     def _fail_pending(self, key, error):
         """Answer the requests set aside for model `key` with `error`."""
@@ -1039,7 +1077,7 @@ class Engine:
         idle models past their TTL or keep_alive are unloaded; MLX's buffer
         cache is cleared after DELETE /v1/cache once nothing runs."""
         if self._loading is not None and self._loading[1].done():
-            (key, future), self._loading = self._loading, None
+            (key, future, _), self._loading = self._loading, None
             try:
                 self._loaded(future.result())
             except Exception as e:
@@ -1049,6 +1087,10 @@ class Engine:
         if now - self._housekept < HOUSEKEEPING_EVERY:
             return
         self._housekept = now
+        if self._pending and now - self._kept_alive >= KEEPALIVE_EVERY:
+            self._kept_alive = now
+            for request in self._pending:
+                request[0].put((0, 0))
         if self._clear_buffers and not self._any_active():
             self._clear_buffers = False
             gc.collect()
@@ -1056,13 +1098,24 @@ class Engine:
         if self._is_distributed:
             return  # (a clock differs between ranks: their models must not)
         ttl = self.cli_args.model_ttl
+        waiting = self._waiting_for()
         for lm in list(self.model_provider.loaded.values()):
-            if self._in_use(lm.key) or self._current_key == lm.key:
+            if self._in_use(lm.key) or self._current_key == lm.key or lm.key in waiting:
                 lm.last_used = now
                 continue
             limit = lm.idle_limit(ttl)
             if limit is not None and now - lm.last_used >= limit:
                 self._unload(lm.key, f"idle for {now - lm.last_used:.0f} s")
+
+    def _waiting_for(self):
+        """The models that requests set aside are for."""
+        keys = set()
+        for request in self._pending:
+            try:
+                keys.add(self.model_provider.key_for(request[2].model))
+            except Exception:  # (_readiness answers it)
+                pass
+        return keys
 
     def _unload(self, key, why: str):
         batch = self._batches.pop(key, None)
@@ -1073,6 +1126,8 @@ class Engine:
                 r["channel"].put(EngineUnavailable(f"Model {key[0]} was unloaded"))
             batch.close()
         self.model_provider.unload(key, why)
+        self._state_machines = {k: v for k, v in self._state_machines.items()
+                                if k[0] != key}
         # Its weights go with the last reference; the collection and MLX's
         # buffer cache wait until nothing runs (a gc.collect() holds the GIL
         # for ~50 ms: a stall of every batch).
@@ -1094,6 +1149,12 @@ class Engine:
         if getattr(req, "count_only", False):
             self._count(lm, channel, req, args)
             return
+        if lm.vocab_size is not None:  # (checked by the API when it was loaded)
+            try:
+                check_vocab(args.sampling.top_k, args.logits.logit_bias, lm.vocab_size)
+            except RequestError as e:
+                channel.put(PromptError(str(e)))
+                return
         if not self._is_batchable(lm, req, args):
             self._current, self._current_key = channel, lm.key
             try:

@@ -81,12 +81,24 @@ def _entry(raw, where: str) -> ServedModel:
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
                             or ttl < 0):
         raise ValueError(f"{where}: `ttl` must be a number of seconds, at least 0")
+    for k, kind in (("name", str), ("adapter_path", str), ("draft_model", str),
+                    ("pinned", bool)):
+        if raw.get(k) is not None and not isinstance(raw[k], kind):
+            raise ValueError(f"{where}: `{k}` must be a {kind.__name__}")
     defaults = raw.get("defaults", {})
     if not isinstance(defaults, dict) or set(defaults) - set(MODEL_DEFAULTS):
         raise ValueError(f"{where}: `defaults` may set {sorted(MODEL_DEFAULTS)}")
     for k, v in defaults.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{where}: defaults.{k} must be a number")
+        # The checks a request's own value gets (validation.py), so a bad
+        # default fails here, not every request that leaves it out.
+        ok = not isinstance(v, bool) and isinstance(v, int if k in ("top_k", "max_tokens")
+                                                    else (int, float))
+        low, high = {"max_tokens": (1, None), "top_k": (0, None), "temperature": (0, 1000),
+                     "top_p": (0, 1), "min_p": (0, 1)}[k]
+        if not ok or v < low or (high is not None and v > high):
+            raise ValueError(f"{where}: defaults.{k} must be a number in "
+                             f"[{low}, {high if high is not None else 'inf'}]"
+                             + (", an integer" if k in ("top_k", "max_tokens") else ""))
     path = raw["path"]
     return ServedModel(
         name=raw.get("name") or Path(path).name or path, path=path,
@@ -140,12 +152,18 @@ def served_set(cli_args) -> List[ServedModel]:
 
 
 def weights_bytes_on_disk(path) -> int:
-    """The size of a local model folder's weight files (what loading it will
-    take, about), or 0 when it is not a local folder."""
+    """The size of a model's weight files (what loading it will take, about):
+    a local folder, or a Hugging Face repo already in the local cache; 0
+    when neither (a download: known once loaded)."""
     folder = Path(path)
-    if not folder.is_dir():
+    try:
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(str(path), local_files_only=True))
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    except Exception:
         return 0
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def memory_budget() -> int:
@@ -201,6 +219,16 @@ class LoadedModel(UpstreamModelProvider):
         self.loaded_at = time.time()
         self.load_seconds = 0.0
         self.nbytes = sum(a.nbytes for a in arrays)  # (each array once: `seen`)
+        self.vocab_size = self._vocab_size()
+
+    def _vocab_size(self) -> Optional[int]:
+        """The larger of the model's and the tokenizer's vocabulary sizes
+        (for top_k and logit_bias checks; read once: a fast tokenizer builds
+        its whole vocabulary dict on each `vocab`)."""
+        sizes = [getattr(getattr(self.model, "args", None), "vocab_size", None),
+                 len(self.tokenizer.vocab) if hasattr(self.tokenizer, "vocab") else None]
+        sizes = [n for n in sizes if isinstance(n, int)]
+        return max(sizes) if sizes else None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         """Vision-language models (vision.VISION_MODEL_TYPES) through mlx-vlm;
@@ -290,6 +318,8 @@ class ModelProvider:
         # Known before the model is loaded (on the generation thread), so the
         # API can prepare images for it from the first request on.
         self._vision_facts: Dict[Any, Tuple[bool, Optional[int]]] = {}
+        self._disk_bytes: Dict[str, int] = {}  # model path -> weight files' bytes
+        self._budget: Optional[int] = None  # memory_budget(), read once
 
     @property
     def default_key(self):
@@ -335,13 +365,15 @@ class ModelProvider:
         return self.loaded.get(key)
 
     def load(self, key) -> LoadedModel:
-        """Load `key` on the calling thread (not yet in `loaded`: `add` it)."""
-        entry = next((e for e in self.served if e.key == key), None)
+        """Load `key` on the calling thread (not yet in `loaded`: `add` it).
+        Several served entries may share it (presets of one folder): it is
+        pinned if any is, and takes the first TTL given."""
+        entries = [e for e in self.served if e.key == key]
         tic = time.perf_counter()
         # (Under mx.distributed one model at a time, as upstream: none pinned.)
-        pinned = entry is not None and entry.pinned and not self.is_distributed
-        lm = LoadedModel(self.cli_args, key, pinned=pinned,
-                         ttl=entry.ttl if entry is not None else None)
+        pinned = any(e.pinned for e in entries) and not self.is_distributed
+        ttl = next((e.ttl for e in entries if e.ttl is not None), None)
+        lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl)
         lm.load_seconds = time.perf_counter() - tic
         logging.info(f"Loaded model {key[0]} in {lm.load_seconds:.1f} s "
                      f"({lm.nbytes / 1e9:.2f} GB)")
@@ -368,6 +400,8 @@ class ModelProvider:
 
     def _vision_fact(self, key):
         if key not in self._vision_facts:
+            if len(self._vision_facts) > 256:  # (keys a client named)
+                self._vision_facts.clear()
             vision = key is not None and is_vision_model(key[0])
             self._vision_facts[key] = (vision, configured_max_pixels(key[0]) if vision
                                        else None)
@@ -384,14 +418,22 @@ class ModelProvider:
         if self.is_distributed or len(self.loaded) >= max(1, self.cli_args.max_loaded_models):
             return False
         held = sum(lm.nbytes for lm in self.loaded.values())
-        return held + weights_bytes_on_disk(key[0]) + extra_bytes <= self.memory_budget()
+        if key[0] not in self._disk_bytes:  # (asked at every step while it waits)
+            if len(self._disk_bytes) > 256:
+                self._disk_bytes.clear()
+            self._disk_bytes[key[0]] = weights_bytes_on_disk(key[0])
+        return held + self._disk_bytes[key[0]] + extra_bytes <= self.memory_budget()
 
     def memory_budget(self) -> int:
-        return memory_budget()
+        if self._budget is None:
+            self._budget = memory_budget()
+        return self._budget
 
-    def name_for(self, key) -> str:
-        """A key's name in /v1/models and in the metrics' `model` label: its
-        served entry's name, else "other" (a name a client made up must not
+    def name_for(self, desc) -> str:
+        """The `model` label of a request's metrics: the id of the served
+        entry it names, else "other" (a name a client made up must not
         become a label)."""
-        entry = next((e for e in self.served if e.key == key), None)
+        entry = self._names.get(desc.model)
+        if entry is None or entry.key != self.key_for(desc):
+            entry = next((e for e in self.served if e.key == self.key_for(desc)), None)
         return entry.name if entry is not None else "other"

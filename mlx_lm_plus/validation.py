@@ -178,11 +178,20 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
             raise RequestError("stream_options must be of type dict")
         if not isinstance(options.get("include_usage", False), bool):
             raise RequestError("stream_options.include_usage must be of type bool")
-    if vocab_size is not None and p["top_k"] > vocab_size:
-        # Upstream's top-k sampler fails on the generation thread and kills it.
+    if vocab_size is not None:
+        check_vocab(p["top_k"], p["logit_bias"], vocab_size)
+
+
+def check_vocab(top_k, logit_bias, vocab_size: int) -> None:
+    """top_k and logit_bias ids against the model's vocabulary: upstream's
+    top-k sampler fails on the generation thread and kills it, and an id out
+    of range is written out of bounds (MLX does not check). Here before the
+    request is queued when its model is loaded, else by the engine once it
+    is."""
+    if top_k > vocab_size:
         raise RequestError(f"top_k must be at most {vocab_size}")
-    if vocab_size is not None and p["logit_bias"]:
-        bad = [t for t in p["logit_bias"] if not 0 <= t < vocab_size]
+    if logit_bias:
+        bad = [t for t in logit_bias if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(
                 f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"

@@ -51,11 +51,12 @@ HYBRID_VISION_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 def is_vision_model(model_path) -> bool:
     """A local folder whose config names a supported vision-language model."""
-    config = Path(model_path) / "config.json"
-    if not config.exists():
+    try:  # (a name a client sent: too long for a path, say)
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
         return False
-    cfg = json.loads(config.read_text())
-    return "vision_config" in cfg and cfg.get("model_type") in VISION_MODEL_TYPES
+    return (isinstance(cfg, dict) and "vision_config" in cfg
+            and cfg.get("model_type") in VISION_MODEL_TYPES)
 
 
 def configured_max_pixels(model_path) -> Optional[int]:

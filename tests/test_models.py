@@ -117,6 +117,8 @@ def test_frontend_sequence(multi, reference):
     """List the models, pick each in turn, chat, switch back: every request
     succeeds with the text a one-model server gives, at most two models are
     loaded, and the switch back hits the prompt cache."""
+    # (The default model loads at the start, /health answers meanwhile.)
+    wait_for(lambda: multi.get("/v1/models")[1]["data"][0]["loaded"])
     models = multi.get("/v1/models")[1]["data"]
     ids = [m["id"] for m in models]
     assert ids[1:] == ["beta", "gamma"] and ids[0].endswith("qwen3")
@@ -197,20 +199,29 @@ def stream_tokens(server, b):
 def test_a_model_with_running_requests_is_never_unloaded(multi, reference):
     """beta streams a long answer; gamma is asked for meanwhile. The only
     model that could make room is beta: gamma waits until beta's stream has
-    ended, and beta's answer is whole."""
+    ended, and beta's answer is whole. Requests for the pinned default go
+    on meanwhile (they can't be what makes room)."""
+    alpha = multi.get("/v1/models")[1]["data"][0]["id"]
     chat(multi, body("beta", "warm up", max_tokens=2))
-    long = body("beta", "Write a long story about a village.", max_tokens=600,
+    long = body("beta", "Write a long story about a village.", max_tokens=1500,
                 logit_bias={"0": -100, "1": -100, "2": -100})  # (no end of text)
     out = {}
     streamer = threading.Thread(target=lambda: out.update(beta=stream_tokens(multi, long)))
     streamer.start()
     wait_for(lambda: any(m["id"] == "beta" and m["active_requests"]
                          for m in multi.get("/v1/stats")[1]["models"]))
-    r = chat(multi, body("gamma", "Describe the weather.", max_tokens=4))
-    gamma_done = time.monotonic()
+    waiter = threading.Thread(target=lambda: out.update(gamma=(
+        chat(multi, body("gamma", "Describe the weather.", max_tokens=4)), time.monotonic())))
+    gamma_sent = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    chat(multi, body(alpha, "Meanwhile, hi.", max_tokens=4))
+    alpha_done = time.monotonic()
     streamer.join(300)
+    waiter.join(300)
     text, beta_done = out["beta"]
-    assert beta_done <= gamma_done
+    r, gamma_done = out["gamma"]
+    assert gamma_sent < alpha_done < beta_done <= gamma_done
     assert r["choices"][0]["message"]["content"] is not None
     assert reference("beta", [long]) == [text]
 
@@ -223,14 +234,19 @@ def test_lru_ttl_and_keep_alive(paths, tmp_path):
     root.mkdir()
     for name, path in paths.items():
         (root / name).symlink_to(path)
+    (root / "zbroken").mkdir()  # a folder that fails to load
+    (root / "zbroken" / "config.json").write_text("{}")
     args = ["--models-dir", str(root), "--max-loaded-models", "2", "--model-ttl", "3"]
     with ServerProcess(OURS, args, log=tmp_path / "server.log") as s:
-        assert [m["id"] for m in s.get("/v1/models")[1]["data"]] == ["alpha", "beta", "gamma"]
+        assert [m["id"] for m in s.get("/v1/models")[1]["data"]] == ["alpha", "beta", "gamma",
+                                                                      "zbroken"]
+        status, r = s.post("/v1/chat/completions", body("zbroken", "hi"))
+        assert status == 404 and "zbroken" in r["error"], r
         chat(s, body("alpha", "hi", max_tokens=2))  # (the default: loaded at the start)
         chat(s, body("beta", "hi", max_tokens=2))
         chat(s, body("alpha", "again", max_tokens=2))  # beta is now the least recent
         chat(s, body("gamma", "hi", max_tokens=2))
-        assert loaded(s) == {"alpha": True, "beta": False, "gamma": True}
+        assert loaded(s) == {"alpha": True, "beta": False, "gamma": True, "zbroken": False}
 
         chat(s, body("alpha", "stay", max_tokens=2, keep_alive=-1))
         chat(s, body("gamma", "go", max_tokens=2, keep_alive=0))
@@ -238,7 +254,7 @@ def test_lru_ttl_and_keep_alive(paths, tmp_path):
         chat(s, body("beta", "hi", max_tokens=2))
         wait_for(lambda: not loaded(s)["beta"], timeout=30)  # the TTL
         time.sleep(1)
-        assert loaded(s) == {"alpha": True, "beta": False, "gamma": False}
+        assert loaded(s) == {"alpha": True, "beta": False, "gamma": False, "zbroken": False}
         # /metrics: per-model gauges and counters.
         status, _, metrics = s.request("GET", "/metrics")
         metrics = metrics.decode()
@@ -308,3 +324,64 @@ def test_vision_and_text_models_side_by_side(fixture_path, tmp_path):
             first["usage"]["prompt_tokens"] - 1
         assert text_of(again) == text_of(first)
         assert s.get("/v1/stats")[1]["engine"]["vision"]["images_from_cache"] == 1
+
+
+def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths, monkeypatch):
+    """A request for a model not loaded yet can't have its logit_bias and
+    top_k checked before it is queued (an id past the vocabulary is written
+    out of bounds: a crash). The engine checks once the model is loaded:
+    400. Meanwhile the waiting request gets keepalives."""
+    from mlx_lm_plus.engine import PromptError
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect, EngineRunner
+
+    runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"]])
+    load = runner.provider.load
+
+    def slow_load(key):
+        time.sleep(0.5)
+        return load(key)
+
+    try:
+        runner.loaded  # (the default, loaded at the start)
+        monkeypatch.setattr(runner.provider, "load", slow_load)
+        request = {"model": paths["beta"], "messages": messages("hi"), "max_tokens": 3}
+        for i, (extra, error) in enumerate((({"logit_bias": {"1000000000": 5}}, "logit_bias"),
+                                            ({"top_k": 100000}, "top_k"), ({}, None))):
+            parsed = parse_request("/v1/chat/completions", {**request, **extra}, runner.args,
+                                   vocab_size=None)
+            channel = Collect()
+            runner.engine.submit(channel, parsed.request, parsed.args)
+            if i == 0:  # set aside while beta loads
+                assert channel.items.get(timeout=60) == (0, 0)
+            if error is None:
+                assert len(channel.result()[0]) == 3
+            else:
+                with pytest.raises(PromptError, match=error):
+                    channel.result()
+    finally:
+        runner.close()
+
+
+def test_a_stuck_load_is_a_hang(paths, monkeypatch):
+    """A load that never ends (a stalled disk or download) would hold every
+    later load back: the watchdog treats it as a stuck step (--step-timeout):
+    the requests waiting for it are answered 503 and the process exits."""
+    from mlx_lm_plus.engine import EngineUnavailable
+    from tests.engine_harness import EngineRunner
+
+    runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"], "--step-timeout",
+                                                "1", "--watchdog-grace", "0"])
+    exits = []
+    runner.engine.exit_process = exits.append
+    try:
+        runner.loaded
+        monkeypatch.setattr(runner.provider, "load", lambda key: time.sleep(30))
+        waiting = runner.submit({"model": paths["beta"], "messages": messages("hi")})
+        with pytest.raises(EngineUnavailable, match="loading model"):
+            waiting.result(timeout=20)
+        wait_for(lambda: exits, timeout=10)
+        assert exits == [70] and not runner.engine.is_healthy
+    finally:
+        runner.engine.hung = True
+        runner.close()
