@@ -503,11 +503,11 @@ class Server:
 
     def _vocab_size(self, name):
         """Model `name`'s vocabulary size for the top_k and logit_bias checks
-        (None while it isn't loaded: the engine checks once it is)."""
+        (from its config.json while it isn't loaded; None when unknown: the
+        engine checks once it is loaded)."""
         desc = ModelDescription(name if isinstance(name, str) else "default_model",
                                 "default_model", None)
-        lm = self.model_provider.get(self.model_provider.key_for(desc))
-        return lm.vocab_size if lm is not None else None
+        return self.model_provider.vocab_size(self.model_provider.key_for(desc))
 
     async def handle_completion(self, request: web.Request,
                                 protocol: Optional[WireProtocol] = None):

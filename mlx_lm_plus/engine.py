@@ -117,6 +117,7 @@ class Channel:
     cancelled = False
     cancelled_at: Optional[float] = None  # time.monotonic() of the cancel
     removed_at: Optional[float] = None  # when the engine let the request go
+    set_aside_at: Optional[float] = None  # waiting for a model: its last keepalive
 
     def put(self, item):
         pass
@@ -254,7 +255,6 @@ class Engine:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-loader")
         self._loading: Optional[tuple] = None
         self._housekept = 0.0  # when idle models were last looked at
-        self._kept_alive = 0.0  # when the requests set aside last got a keepalive
         self._started = False  # the default model is loaded at the first start only
         self._current = None
         self._current_key = None  # the model of the request served sequentially
@@ -317,12 +317,6 @@ class Engine:
             since = self._planning_since
             if since is not None and time.monotonic() - since > limit:
                 self._on_hang("planning a prompt", time.monotonic() - since)
-                return
-            # The loader thread: a stuck load holds every later one back.
-            loading = self._loading
-            if loading is not None and time.monotonic() - loading[2] > limit:
-                self._on_hang(f"loading model {loading[0][0]}",
-                              time.monotonic() - loading[2])
                 return
 
     def _on_hang(self, what: str, seconds: float):
@@ -493,6 +487,7 @@ class Engine:
                 self._current_key == key)
             out.append({
                 "id": entry.name if entry is not None else key[0],
+                "path": key[0],
                 "loaded": lm is not None,
                 "loading": key == loading,
                 "pinned": lm.pinned if lm is not None else any(
@@ -765,6 +760,7 @@ class Engine:
             if channel.cancelled and not self._is_distributed:
                 raise _Cancelled
             channel.put((done, total))
+            self._tick()
             self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
 
         return progress
@@ -959,8 +955,8 @@ class Engine:
         if isinstance(state, Exception):
             request[0].put(state)
         else:
+            request[0].set_aside_at = time.monotonic()
             self._pending.append(request)
-            request[0].put((0, 0))  # (a stream gets its headers and a keepalive)
         return None
 
     def _for_pinned(self, request) -> bool:
@@ -1072,25 +1068,51 @@ class Engine:
             self._fail_pending(self._loading[0], error)
             self._loading = None
 
-    def _housekeeping(self):
-        """A finished load joins the loaded models (or fails its requests);
-        idle models past their TTL or keep_alive are unloaded; MLX's buffer
-        cache is cleared after DELETE /v1/cache once nothing runs."""
-        if self._loading is not None and self._loading[1].done():
-            (key, future, _), self._loading = self._loading, None
+    def _tick(self):
+        """What can't wait for the loop while a request is served
+        sequentially (called between its tokens and prefill chunks too): a
+        finished or overdue load, keepalives to the requests set aside."""
+        loading = self._loading
+        if loading is not None and loading[1].done():
+            (key, future, _), self._loading = loading, None
             try:
                 self._loaded(future.result())
             except Exception as e:
                 logging.exception(f"Loading {key[0]} failed")
                 self._fail_pending(key, ModelLoadError(str(e)))
         now = time.monotonic()
+        limit = self.cli_args.model_load_timeout
+        if loading is not None and self._loading is loading and limit and \
+                now - loading[2] > limit:
+            # A stalled disk or download: its requests are answered, and the
+            # next load gets a new loader thread (this one is left to end,
+            # its model dropped).
+            key = loading[0]
+            logging.error(f"Loading {key[0]} has taken more than {limit:g} s "
+                          "(--model-load-timeout): given up")
+            self._loading = None
+            self._loader.shutdown(wait=False)
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-loader")
+            self._fail_pending(key, ModelLoadError(
+                f"Loading {key[0]} took more than {limit:g} s (--model-load-timeout)"))
+        # A keepalive once a request has waited KEEPALIVE_EVERY (a stream's
+        # headers go then: a short wait keeps its real status code).
+        for request in self._pending:
+            channel = request[0]
+            since = getattr(channel, "set_aside_at", None)
+            if since is not None and now - since >= KEEPALIVE_EVERY:
+                channel.set_aside_at = now
+                channel.put((0, 0))
+
+    def _housekeeping(self):
+        """`_tick`; idle models past their TTL or keep_alive are unloaded;
+        MLX's buffer cache is cleared after DELETE /v1/cache once nothing
+        runs."""
+        now = time.monotonic()
         if now - self._housekept < HOUSEKEEPING_EVERY:
             return
         self._housekept = now
-        if self._pending and now - self._kept_alive >= KEEPALIVE_EVERY:
-            self._kept_alive = now
-            for request in self._pending:
-                request[0].put((0, 0))
+        self._tick()
         if self._clear_buffers and not self._any_active():
             self._clear_buffers = False
             gc.collect()
@@ -1334,6 +1356,8 @@ class Engine:
                 )
                 cache_key.append(gen.token)
                 self._beat("a decode step")
+                if self._pending and self.steps % BUDGET_EVERY == 0:
+                    self._tick()
                 # Ranks other than 0 can't see the client, so under
                 # mx.distributed the request runs to its end, as upstream.
                 self.steps += 1

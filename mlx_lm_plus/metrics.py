@@ -178,17 +178,23 @@ class _LiveCollector:
         labelled.append((GaugeMetricFamily, "mlx_memory_bytes", "MLX allocator memory", "kind",
                          {k: memory[f"mlx_{k}_bytes"] for k in ("active", "cache", "peak")}))
         models = engine.models()
+        # A model's own figures once, under its first id (presets of one
+        # folder share them).
+        first = {}
+        for m in models:
+            first.setdefault(m["path"], m)
+        own = [m for m in first.values() if m["loaded"]]
         labelled += [
             (GaugeMetricFamily, "model_loaded", "1 for each model of the served set that is "
              "loaded, 0 for the others", "model",
              {m["id"]: int(m["loaded"]) for m in models}),
             (GaugeMetricFamily, "model_weights_bytes", "Bytes of a loaded model's weights",
-             "model", {m["id"]: m["weights_bytes"] for m in models if m["loaded"]}),
+             "model", {m["id"]: m["weights_bytes"] for m in own}),
             (GaugeMetricFamily, "model_idle_seconds", "Seconds since a loaded model last "
              "ran a request (0 while one runs)", "model",
-             {m["id"]: m["idle_seconds"] for m in models if m["loaded"]}),
+             {m["id"]: m["idle_seconds"] for m in own}),
             (GaugeMetricFamily, "model_active_requests", "Requests running on a loaded model",
-             "model", {m["id"]: m["active_requests"] for m in models if m["loaded"]}),
+             "model", {m["id"]: m["active_requests"] for m in own}),
         ]
         provider = engine.model_provider
         for name, doc, value in (("model_loads", "Models loaded since the start",

@@ -17,6 +17,7 @@ plus mlx-vlm for vision-language folders. What this module adds:
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -91,21 +92,30 @@ def _entry(raw, where: str) -> ServedModel:
     for k, v in defaults.items():
         # The checks a request's own value gets (validation.py), so a bad
         # default fails here, not every request that leaves it out.
-        ok = not isinstance(v, bool) and isinstance(v, int if k in ("top_k", "max_tokens")
-                                                    else (int, float))
+        ok = (not isinstance(v, bool) and math.isfinite(v)
+              and isinstance(v, int if k in ("top_k", "max_tokens") else (int, float)))
         low, high = {"max_tokens": (1, None), "top_k": (0, None), "temperature": (0, 1000),
                      "top_p": (0, 1), "min_p": (0, 1)}[k]
         if not ok or v < low or (high is not None and v > high):
             raise ValueError(f"{where}: defaults.{k} must be a number in "
                              f"[{low}, {high if high is not None else 'inf'}]"
                              + (", an integer" if k in ("top_k", "max_tokens") else ""))
-    path = raw["path"]
+    path = _resolved(raw["path"])
     return ServedModel(
         name=raw.get("name") or Path(path).name or path, path=path,
         adapter=raw.get("adapter_path"), draft=raw.get("draft_model"),
         aliases=tuple(aliases), pinned=bool(raw.get("pinned", False)),
         ttl=None if ttl is None else float(ttl),
         defaults={MODEL_DEFAULTS[k]: v for k, v in defaults.items()})
+
+
+def _resolved(path: str) -> str:
+    """A local folder's path in one spelling (so "./x", "x/" and its
+    absolute path are one model, loaded once); a repo id as it is."""
+    try:
+        return str(Path(path).resolve()) if Path(path).is_dir() else path
+    except OSError:
+        return path
 
 
 def read_models_config(path) -> List[ServedModel]:
@@ -138,7 +148,7 @@ def served_set(cli_args) -> List[ServedModel]:
         first = i == 0
         served.append(ServedModel(
             name=str(Path(model).resolve()) if Path(model).exists() else model,
-            path=model, adapter=cli_args.adapter_path if first else None,
+            path=_resolved(model), adapter=cli_args.adapter_path if first else None,
             draft=cli_args.draft_model if first else None,
             aliases=tuple(sorted(aliases | {model})), pinned=first))
     if getattr(cli_args, "models_config", None):
@@ -146,8 +156,13 @@ def served_set(cli_args) -> List[ServedModel]:
     if getattr(cli_args, "models_dir", None):
         for folder in sorted(Path(cli_args.models_dir).iterdir()):
             if (folder / "config.json").is_file():
-                served.append(ServedModel(name=folder.name, path=str(folder),
+                served.append(ServedModel(name=folder.name, path=_resolved(folder),
                                           aliases=(str(folder.resolve()),)))
+    names = [e.name for e in served]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"two served models are named {twice[0]!r} (--model, "
+                         "--models-config names, --models-dir folders): give one another name")
     return served
 
 
@@ -222,13 +237,21 @@ class LoadedModel(UpstreamModelProvider):
         self.vocab_size = self._vocab_size()
 
     def _vocab_size(self) -> Optional[int]:
-        """The larger of the model's and the tokenizer's vocabulary sizes
-        (for top_k and logit_bias checks; read once: a fast tokenizer builds
-        its whole vocabulary dict on each `vocab`)."""
-        sizes = [getattr(getattr(self.model, "args", None), "vocab_size", None),
-                 len(self.tokenizer.vocab) if hasattr(self.tokenizer, "vocab") else None]
-        sizes = [n for n in sizes if isinstance(n, int)]
-        return max(sizes) if sizes else None
+        """How many token ids top_k and logit_bias may use: the width of the
+        logits (the model's vocabulary; the tokenizer's when the model does
+        not say), and of the draft model's, whose logits the same processors
+        see. An id past it is written out of bounds."""
+        def width(model, tokenizer=None):
+            n = getattr(getattr(model, "args", None), "vocab_size", None)
+            if not isinstance(n, int) and tokenizer is not None and hasattr(tokenizer, "vocab"):
+                n = len(tokenizer.vocab)
+            return n if isinstance(n, int) else None
+
+        sizes = [width(self.model, self.tokenizer)]
+        if self.draft_model is not None:
+            sizes.append(width(self.draft_model))
+        sizes = [n for n in sizes if n is not None]
+        return min(sizes) if sizes else None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         """Vision-language models (vision.VISION_MODEL_TYPES) through mlx-vlm;
@@ -320,6 +343,7 @@ class ModelProvider:
         self._vision_facts: Dict[Any, Tuple[bool, Optional[int]]] = {}
         self._disk_bytes: Dict[str, int] = {}  # model path -> weight files' bytes
         self._budget: Optional[int] = None  # memory_budget(), read once
+        self._config_vocabs: Dict[str, Optional[int]] = {}  # path -> its config's
 
     @property
     def default_key(self):
@@ -334,6 +358,8 @@ class ModelProvider:
         is ignored, as before); draft_model "default_model" means the served
         entry's draft, or --draft-model for other names (upstream's map)."""
         entry = self._names.get(desc.model)
+        if entry is None and isinstance(desc.model, str):  # ("./x" for x, say)
+            entry = self._names.get(_resolved(desc.model))
         draft = desc.draft
         if draft == "default_model":
             draft = entry.draft if entry is not None else self.cli_args.draft_model
@@ -386,6 +412,7 @@ class ModelProvider:
     def unload(self, key, why: str):
         lm = self.loaded.pop(key, None)
         if lm is not None:
+            self._disk_bytes[key[0]] = lm.nbytes  # (what loading it again will take)
             self.unloads += 1
             logging.info(f"Unloaded model {key[0]} ({why}; {lm.nbytes / 1e9:.2f} GB)")
 
@@ -421,8 +448,38 @@ class ModelProvider:
         if key[0] not in self._disk_bytes:  # (asked at every step while it waits)
             if len(self._disk_bytes) > 256:
                 self._disk_bytes.clear()
-            self._disk_bytes[key[0]] = weights_bytes_on_disk(key[0])
+            size = weights_bytes_on_disk(key[0])
+            if not size:  # (not downloaded yet: ask again next time)
+                return held + extra_bytes <= self.memory_budget()
+            self._disk_bytes[key[0]] = size
         return held + self._disk_bytes[key[0]] + extra_bytes <= self.memory_budget()
+
+    def vocab_size(self, key) -> Optional[int]:
+        """The token ids a request for `key` may use (see
+        LoadedModel._vocab_size): the loaded model's, else what the model's
+        and its draft's config.json say (None: unknown; the engine checks
+        once it is loaded)."""
+        lm = self.loaded.get(key)
+        if lm is not None:
+            return lm.vocab_size
+        sizes = [self._config_vocab(path) for path in (key[0], key[2]) if path is not None]
+        if not sizes or None in sizes:
+            return None
+        return min(sizes)
+
+    def _config_vocab(self, path) -> Optional[int]:
+        if path not in self._config_vocabs:
+            if len(self._config_vocabs) > 256:  # (names a client sent)
+                self._config_vocabs.clear()
+            n = None
+            try:
+                config = json.loads((Path(path) / "config.json").read_text())
+                n = config.get("vocab_size") or (config.get("text_config") or {}).get(
+                    "vocab_size")
+            except (OSError, ValueError, AttributeError, TypeError):
+                pass
+            self._config_vocabs[path] = n if isinstance(n, int) and n > 0 else None
+        return self._config_vocabs[path]
 
     def memory_budget(self) -> int:
         if self._budget is None:

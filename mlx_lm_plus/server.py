@@ -45,6 +45,7 @@ OUR_FLAGS = (
     "--models-config",
     "--max-loaded-models",
     "--model-ttl",
+    "--model-load-timeout",
 )
 
 # --prompt-cache-disk-bytes when only --prompt-cache-dir is given.
@@ -292,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its model; default: 0, never)",
     )
     parser.add_argument(
+        "--model-load-timeout",
+        type=float,
+        default=1800,
+        help="(mlx_lm_plus) Give up a model load (a stalled disk or download) "
+        "after this many seconds: the requests waiting for it get 404 and the "
+        "next load starts afresh (default: 1800; 0: wait for ever)",
+    )
+    parser.add_argument(
         "--allow-model-loading",
         action="store_true",
         help="(mlx_lm_plus) Let requests load other local paths or repos named "
@@ -452,17 +461,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     repeated.add_argument("--model", action="append")
     args.models = repeated.parse_known_args(argv)[0].model or []
     args.model = args.models[0] if args.models else None
-    if args.max_loaded_models < 1 or args.model_ttl < 0:
-        parser.error("--max-loaded-models must be at least 1 and --model-ttl at least 0")
+    if args.max_loaded_models < 1 or args.model_ttl < 0 or args.model_load_timeout < 0:
+        parser.error("--max-loaded-models must be at least 1, --model-ttl and "
+                     "--model-load-timeout at least 0")
     if args.models_dir and not os.path.isdir(args.models_dir):
         parser.error(f"--models-dir {args.models_dir}: not a directory")
-    if args.models_config:
-        from .models import read_models_config
+    if args.models_config or args.models_dir or len(args.models) > 1:
+        from .models import served_set
 
-        try:
-            read_models_config(args.models_config)
+        try:  # (a bad config stops the server here, not at a request)
+            served_set(args)
         except Exception as e:
-            parser.error(f"--models-config: {e}")
+            parser.error(f"the served models: {e}")
     # Upstream keeps the unsplit default "*"; `"*" in "*"` holds, so CORS code
     # works on both shapes. Normalise to a list for our own code.
     if isinstance(args.allowed_origins, str):

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+from tests.fixtures import (
+    VISION_KINDS, VLM_KINDS, build_fixture, build_vision_fixture, build_vlm_fixture,
+)
 
 # Fixture models are local folders: nothing may wait on the Hugging Face hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,6 +27,8 @@ def fixture_path(fixture_dir):
     def build(kind):
         if kind in VISION_KINDS:
             return build_vision_fixture(kind, fixture_dir)
+        if kind in VLM_KINDS:
+            return build_vlm_fixture(kind, fixture_dir)
         return build_fixture(kind, fixture_dir)
 
     return build

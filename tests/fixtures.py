@@ -18,6 +18,9 @@ Random models are made usable, and sensitive enough that "output with cache
   * the lm_head rows of special tokens zeroed, so a random model never stops
     or switches into thinking/tool state by chance.
 Building is deterministic (fixed seeds) and idempotent (a marker file).
+
+Vision-language kinds, for mlx-vlm: build_vision_fixture (VISION_KINDS, Qwen VL)
+and build_vlm_fixture (VLM_KINDS: Gemma 3, SmolVLM / Idefics3).
 """
 
 import json
@@ -485,8 +488,223 @@ def build_vision_fixture(kind: str, root) -> Path:
     return out
 
 
+
+# -- Gemma 3 and SmolVLM (Idefics3) vision-language fixtures --
+
+# Built by build_vlm_fixture; kind -> mlx-vlm model_type.
+VLM_KINDS = {"gemma3_vl": "gemma3", "smolvlm": "smolvlm", "idefics3_vl": "idefics3"}
+VLM_VERSION = 1
+GEMMA3_SPECIAL_TOKENS = [  # <pad> first: id 0 is the config's pad_token_id
+    "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+    "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+]
+# Gemma 3's template, shortened: system text folded into the first user turn,
+# `assistant` written `model`, an image part written <start_of_image> (the
+# processor expands it to <start_of_image> + soft tokens + <end_of_image>).
+GEMMA3_CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+{%- if messages[0].content is string %}{%- set first_user_prefix = messages[0].content + '\\n\\n' %}
+{%- else %}{%- set first_user_prefix = messages[0].content[0].text + '\\n\\n' %}{%- endif %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- set role = 'model' if message.role == 'assistant' else message.role %}
+{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}
+{%- if message.content is string %}{{- message.content | trim }}
+{%- elif message.content %}{%- for part in message.content %}
+{%- if part.type in ['image', 'image_url', 'input_image'] %}{{- '<start_of_image>' }}
+{%- elif part.type == 'text' %}{{- part.text | trim }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}
+"""
+# <row_R_col_C> tokens for image tiles (64 px images split into 32 px tiles: 2x2).
+IDEFICS3_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>",
+    "<fake_token_around_image>", "<image>", "<global-img>",
+] + [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)]
+# SmolVLM's template: `User:<image>What is it?<end_of_utterance>\nAssistant:`.
+IDEFICS3_CHAT_TEMPLATE = """\
+{{- '<|im_start|>' }}
+{%- for message in messages %}
+{{- message.role | capitalize }}
+{%- if message.content is string %}{{- ': ' + message.content }}
+{%- else %}
+{%- if message.content and message.content[0].type in ['image', 'image_url', 'input_image'] %}{{- ':' }}{%- else %}{{- ': ' }}{%- endif %}
+{%- for part in message.content or [] %}
+{%- if part.type in ['image', 'image_url', 'input_image'] %}{{- '<image>' }}
+{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '<end_of_utterance>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}
+"""
+IMAGE_MEAN_STD = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def _train_tokenizer(out: Path, special_tokens) -> dict:
+    """The shared tiny byte-level BPE with `special_tokens` (ids 0..n-1, in order)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=512, special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in special_tokens}
+    ids["_vocab_size"] = tok.get_vocab_size()
+    return ids
+
+
+def _gemma3_files(out: Path) -> tuple:
+    """Tokenizer, processor and model config of a tiny Gemma 3 (SigLIP tower):
+    32 px images, 8 px patches (4x4), average-pooled to 2x2 = 4 soft tokens."""
+    ids = _train_tokenizer(out, GEMMA3_SPECIAL_TOKENS)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": GEMMA3_CHAT_TEMPLATE,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "model_max_length": 32768,
+        # Gemma3Processor reads these as tokenizer.boi_token / .image_token(_id).
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"}}))
+    tokens_per_image = 4
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image}))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "do_resize": True, "size": {"height": 32, "width": 32}, "resample": 2,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "do_pan_and_scan": False, **IMAGE_MEAN_STD}))
+    text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": ids["_vocab_size"], "sliding_window": 32, "sliding_window_pattern": 2,
+            "rope_local_base_freq": 10000.0, "rope_global_base_freq": 10000.0,
+            "mm_tokens_per_image": tokens_per_image, "max_position_embeddings": 32768}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 8,
+              "image_size": 32, "num_channels": 3, "layer_norm_eps": 1e-6}
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": vision,
+              "hidden_size": 64,  # image features are divided by sqrt(hidden_size)
+              "vocab_size": ids["_vocab_size"], "pad_token_id": ids["<pad>"],
+              "image_token_index": ids["<image_soft_token>"],
+              "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+              "mm_tokens_per_image": tokens_per_image,
+              "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]]}
+    return config, [ids[t] for t in GEMMA3_SPECIAL_TOKENS]
+
+
+def _idefics3_files(out: Path, model_type: str) -> tuple:
+    """Tokenizer, processor and model config of a tiny SmolVLM / Idefics3: images
+    resized to 64 px and split into 32 px tiles (2x2 + a global view), each tile
+    4x4 patches of 8 px, pixel-shuffled (x2) to 4 image tokens: 20 per 64 px image."""
+    ids = _train_tokenizer(out, IDEFICS3_SPECIAL_TOKENS)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": IDEFICS3_CHAT_TEMPLATE,
+        "bos_token": "<|im_start|>", "eos_token": "<end_of_utterance>",
+        "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "model_max_length": 32768,
+        # SmolVLMProcessor reads these tokenizer attributes (Idefics3Processor hardcodes them).
+        "extra_special_tokens": {"fake_image_token": "<fake_token_around_image>",
+                                 "image_token": "<image>", "global_image_token": "<global-img>",
+                                 "end_of_utterance_token": "<end_of_utterance>"}}))
+    tile, tokens_per_tile = 32, 4
+    processor_class = "SmolVLMProcessor" if model_type == "smolvlm" else "Idefics3Processor"
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": processor_class, "image_seq_len": tokens_per_tile}))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": ("SmolVLMImageProcessor" if model_type == "smolvlm"
+                                 else "Idefics3ImageProcessor"),
+        "processor_class": processor_class,
+        "do_resize": True, "size": {"longest_edge": 2 * tile}, "resample": 1,
+        "do_image_splitting": True, "max_image_size": {"longest_edge": tile},
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "do_pad": True, **IMAGE_MEAN_STD}))
+    text = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": ids["_vocab_size"], "rope_theta": 10000.0,
+            "max_position_embeddings": 32768, "tie_word_embeddings": False}
+    vision = {"model_type": f"{model_type}_vision", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 8,
+              "image_size": tile, "num_channels": 3, "layer_norm_eps": 1e-6}
+    config = {"model_type": model_type, "text_config": text, "vision_config": vision,
+              "vocab_size": ids["_vocab_size"], "scale_factor": 2,
+              "image_token_id": ids["<image>"], "pad_token_id": ids["<|im_end|>"],
+              "tie_word_embeddings": False,
+              "eos_token_id": [ids["<end_of_utterance>"]]}
+    return config, [ids[t] for t in IDEFICS3_SPECIAL_TOKENS]
+
+
+def build_vlm_fixture(kind: str, root) -> Path:
+    """A tiny random Gemma 3 (`gemma3_vl`) or SmolVLM (`smolvlm`: model_type
+    smolvlm, as SmolVLM2; `idefics3_vl`: model_type idefics3, as SmolVLM 1) folder
+    that mlx_vlm.load() takes offline, with the family's tokens, chat template,
+    processor and (PIL, torch-free) image processor configs."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args
+
+    assert kind in VLM_KINDS, kind
+    out = Path(root) / kind
+    marker = out / "fixture.json"
+    if marker.exists() and json.loads(marker.read_text()).get("version") == VLM_VERSION:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    model_type = VLM_KINDS[kind]
+    if model_type == "gemma3":
+        config, special = _gemma3_files(out)
+    else:
+        config, special = _idefics3_files(out, model_type)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+    module, _ = get_model_and_args(dict(config))
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(1234)
+    model = module.Model(model_config)
+    model.set_dtype(mx.float32)
+    weights = {}
+    for name, w in tree_flatten(model.parameters()):
+        if name.endswith("mm_input_projection_weight"):
+            # Initialised to ones: every text dimension would get the same value.
+            w = mx.random.normal(w.shape) * w.shape[0] ** -0.5
+        if name.endswith("embed_tokens.weight"):
+            # Small token embeddings, so the last token does not just predict
+            # itself (Gemma also scales them by sqrt(hidden_size)).
+            w = w * (0.5 if model_type == "gemma3" else 1.0)
+        elif name.startswith("language_model") and w.ndim == 2:
+            w = w * 2.0
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = w * 1.5  # sharp, position-sensitive attention
+        if name.startswith(("vision_tower", "vision_model")) and w.ndim >= 2:
+            w = w * 3.0  # images must steer the output
+        weights[name] = w
+    # A random model must never stop or emit markup: special tokens get no logit.
+    head = "language_model.lm_head.weight"
+    mask = mx.ones((weights[head].shape[0], 1))
+    if model_type == "gemma3":
+        # mlx-vlm ties Gemma 3's lm_head to embed_tokens on load (its sanitize
+        # replaces any lm_head), so the file has none, as Gemma 3 checkpoints;
+        # small special-token embeddings keep their (tied) logits near 0.
+        del weights[head]
+        head = "language_model.model.embed_tokens.weight"
+        mask[mx.array(special)] = 0.1
+    else:
+        mask[mx.array(special)] = 0.0
+    weights[head] = weights[head] * mask
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    marker.write_text(json.dumps({"version": VLM_VERSION, "kind": kind,
+                                  "special_token_ids": special}))
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m tests.fixtures KIND OUTDIR")
-    build = build_vision_fixture if sys.argv[1] in VISION_KINDS else build_fixture
+    build = (build_vision_fixture if sys.argv[1] in VISION_KINDS
+             else build_vlm_fixture if sys.argv[1] in VLM_KINDS else build_fixture)
     print(build(sys.argv[1], sys.argv[2]))

@@ -82,7 +82,8 @@ def make_client(aiohttp_client, engine, argv=()):
     args = parse_args(["--model", "m", *argv])
     provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
                          key_for=lambda desc: (desc.model, desc.adapter, None),
-                         defaults_for=lambda name: args, name_for=lambda key: "m")
+                         defaults_for=lambda name: args, name_for=lambda key: "m",
+                         vocab_size=lambda key: None)
     server = Server(args, engine, provider, "fp")
     return served(aiohttp_client, make_app(server))
 

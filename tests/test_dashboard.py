@@ -67,6 +67,11 @@ async def test_dashboard_updates_live_and_saves_a_screenshot(fixture_path, tmp_p
                 "[...document.querySelectorAll('#entries tbody tr')[0].cells].map(c => c.textContent)")
             top = stats["entries"][0]
             assert first_row[0] == top["kind"] and int(first_row[1]) == top["tokens"]
+            # The models table: the served model, loaded, pinned; a name is text.
+            cells = await page.evaluate(
+                "[...document.querySelectorAll('#models tbody tr')[0].cells].map(c => c.textContent)")
+            assert cells[:3] == [stats["models"][0]["id"], "loaded", "yes"]
+            assert await page.evaluate("esc('<b>&')") == "&#60;b&#62;&#38;"
             for chart in ("chart-speed", "chart-match"):
                 assert await page.evaluate(points(chart)) == 10, chart
             # The time series charts grow by a point a second.

@@ -327,19 +327,23 @@ def test_vision_and_text_models_side_by_side(fixture_path, tmp_path):
 
 
 def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths, monkeypatch):
-    """A request for a model not loaded yet can't have its logit_bias and
-    top_k checked before it is queued (an id past the vocabulary is written
-    out of bounds: a crash). The engine checks once the model is loaded:
-    400. Meanwhile the waiting request gets keepalives."""
+    """A request for a model not loaded yet whose vocabulary could not be
+    read before it was queued (vocab_size None here) is checked by the
+    engine once the model is loaded: 400, where an id past the vocabulary
+    would be written out of bounds. A request that waits KEEPALIVE_EVERY
+    gets a keepalive (a stream: its headers), a shorter wait none (its
+    status code stays its own)."""
+    from mlx_lm_plus import engine
     from mlx_lm_plus.engine import PromptError
     from mlx_lm_plus.validation import parse_request
     from tests.engine_harness import Collect, EngineRunner
 
+    monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.3)
     runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"]])
     load = runner.provider.load
 
     def slow_load(key):
-        time.sleep(0.5)
+        time.sleep(1.0)
         return load(key)
 
     try:
@@ -352,36 +356,41 @@ def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths,
                                    vocab_size=None)
             channel = Collect()
             runner.engine.submit(channel, parsed.request, parsed.args)
-            if i == 0:  # set aside while beta loads
+            if i == 0:  # set aside while beta loads (1 s)
                 assert channel.items.get(timeout=60) == (0, 0)
             if error is None:
                 assert len(channel.result()[0]) == 3
             else:
                 with pytest.raises(PromptError, match=error):
                     channel.result()
+        # A short wait (a fast load): no keepalive.
+        monkeypatch.setattr(runner.provider, "load", load)
+        channel = runner.submit({"model": paths["gamma"], "messages": messages("hi")})
+        assert not isinstance(channel.items.get(timeout=60), tuple)
     finally:
         runner.close()
 
 
-def test_a_stuck_load_is_a_hang(paths, monkeypatch):
-    """A load that never ends (a stalled disk or download) would hold every
-    later load back: the watchdog treats it as a stuck step (--step-timeout):
-    the requests waiting for it are answered 503 and the process exits."""
-    from mlx_lm_plus.engine import EngineUnavailable
+def test_a_stuck_load_is_given_up(paths, monkeypatch):
+    """A load that doesn't end (a stalled disk or download) would hold every
+    later load back: after --model-load-timeout its requests get 404 and the
+    next load runs on a new loader thread; the server stays healthy."""
+    from mlx_lm_plus.engine import ModelLoadError
     from tests.engine_harness import EngineRunner
 
-    runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"], "--step-timeout",
-                                                "1", "--watchdog-grace", "0"])
-    exits = []
-    runner.engine.exit_process = exits.append
+    runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"],
+                                                "--model-load-timeout", "1"])
+    load = runner.provider.load
     try:
         runner.loaded
-        monkeypatch.setattr(runner.provider, "load", lambda key: time.sleep(30))
+        monkeypatch.setattr(runner.provider, "load",
+                            lambda key: time.sleep(20) if key[0] == paths["beta"] else load(key))
         waiting = runner.submit({"model": paths["beta"], "messages": messages("hi")})
-        with pytest.raises(EngineUnavailable, match="loading model"):
+        with pytest.raises(ModelLoadError, match="model-load-timeout"):
             waiting.result(timeout=20)
-        wait_for(lambda: exits, timeout=10)
-        assert exits == [70] and not runner.engine.is_healthy
+        assert runner.engine.is_healthy
+        monkeypatch.setattr(runner.provider, "load", load)
+        assert len(runner.run({"model": paths["beta"], "messages": messages("hi"),
+                               "max_tokens": 3})[0]) == 3
     finally:
-        runner.engine.hung = True
         runner.close()
