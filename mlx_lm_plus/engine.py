@@ -259,6 +259,7 @@ class Engine:
         self._current = None
         self._current_key = None  # the model of the request served sequentially
         self._clear_buffers = False
+        self._unloaded = False  # a model was unloaded: clear MLX's buffer cache when idle
         self.steps = 0  # generation steps run, for disconnect measurements
         # Where the generation thread's time goes, in seconds (/v1/stats, the
         # benchmarks): "model" in model steps (BatchGenerator.next, which
@@ -692,7 +693,7 @@ class Engine:
         lm = self.model_provider.get(key)
         if lm is not None:
             return _vision(lm) is not None
-        return self.model_provider.default_is_vision(key)
+        return self.model_provider.is_vision(key)
 
     def image_max_pixels(self, model) -> Optional[int]:
         """The most pixels `model`'s image processor keeps (it scales larger
@@ -896,19 +897,7 @@ class Engine:
                     self._admitting = None
                 continue
 
-            # One step of each active batch in turn: a busy model doesn't
-            # starve a quiet one.
-            for batch in [b for b in self._batches.values() if b.active]:
-                if self._is_distributed:
-                    for _ in self._time_budget:
-                        self._beat("a batch step")
-                        if not batch.step():
-                            break
-                else:
-                    self._beat("a batch step")
-                    batch.step()
-                # Their wait is over: first in line again.
-                self._pending[:0] = batch.take_unparked()
+            self._step_batches()
 
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
@@ -916,6 +905,23 @@ class Engine:
         self._save_to_disk()
         self.model_provider.reset()
         gc.collect()
+
+    def _step_batches(self):
+        """One step of each active batch in turn: a busy model doesn't starve
+        a quiet one. (A method of its own: a loop variable left in
+        _generate's frame would keep an unloaded model's batch, and so its
+        weights, alive.)"""
+        for batch in [b for b in self._batches.values() if b.active]:
+            if self._is_distributed:
+                for _ in self._time_budget:
+                    self._beat("a batch step")
+                    if not batch.step():
+                        break
+            else:
+                self._beat("a batch step")
+                batch.step()
+            # Their wait is over: first in line again.
+            self._pending[:0] = batch.take_unparked()
 
     def _any_active(self) -> bool:
         return any(b.active for b in self._batches.values())
@@ -959,11 +965,19 @@ class Engine:
             self._pending.append(request)
         return None
 
-    def _for_pinned(self, request) -> bool:
+    def _key_of(self, request):
+        """The model key a request names, or None where naming it raises
+        (what slipped past validation: _readiness answers it)."""
         try:
-            lm = self.model_provider.get(self.model_provider.key_for(request[2].model))
-        except Exception:  # (_readiness answers it)
-            return True
+            return self.model_provider.key_for(request[2].model)
+        except Exception:
+            return None
+
+    def _for_pinned(self, request) -> bool:
+        key = self._key_of(request)
+        if key is None:
+            return True  # (let _readiness answer it)
+        lm = self.model_provider.get(key)
         return lm is not None and lm.pinned
 
     def _readiness(self, request):
@@ -1010,6 +1024,7 @@ class Engine:
                           key=lambda lm: lm.last_used)
             if idle:
                 self._unload(idle[0].key, "to make room for " + key[0])
+                mx.clear_cache()  # (its buffers go before the next model's come)
                 continue
             if any(not lm.pinned for lm in provider.loaded.values()):
                 return ROOM  # one of them will be idle
@@ -1056,8 +1071,7 @@ class Engine:
 
     def _fail_pending(self, key, error):
         """Answer the requests set aside for model `key` with `error`."""
-        provider = self.model_provider
-        failed = [r for r in self._pending if provider.key_for(r[2].model) == key]
+        failed = [r for r in self._pending if self._key_of(r) == key]
         self._pending = [r for r in self._pending if r not in failed]
         for request in failed:
             request[0].put(error)
@@ -1079,6 +1093,7 @@ class Engine:
                 self._loaded(future.result())
             except Exception as e:
                 logging.exception(f"Loading {key[0]} failed")
+                self.model_provider.forget_size(key)
                 self._fail_pending(key, ModelLoadError(str(e)))
         now = time.monotonic()
         limit = self.cli_args.model_load_timeout
@@ -1093,6 +1108,7 @@ class Engine:
             self._loading = None
             self._loader.shutdown(wait=False)
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-loader")
+            self.model_provider.forget_size(key)
             self._fail_pending(key, ModelLoadError(
                 f"Loading {key[0]} took more than {limit:g} s (--model-load-timeout)"))
         # A keepalive once a request has waited KEEPALIVE_EVERY (a stream's
@@ -1108,14 +1124,22 @@ class Engine:
         """`_tick`; idle models past their TTL or keep_alive are unloaded;
         MLX's buffer cache is cleared after DELETE /v1/cache once nothing
         runs."""
+        loading = self._loading
         now = time.monotonic()
-        if now - self._housekept < HOUSEKEEPING_EVERY:
-            return
+        if now - self._housekept < HOUSEKEEPING_EVERY and (
+                loading is None or not loading[1].done()):
+            return  # (a finished load is taken at once: its requests wait)
         self._housekept = now
         self._tick()
         if self._clear_buffers and not self._any_active():
             self._clear_buffers = False
             gc.collect()
+            mx.clear_cache()
+        if self._unloaded and not self._any_active() and not self._pending:
+            # An unloaded model's buffers back to the system (its weights went
+            # with their last reference: no cycles, so no gc.collect, which
+            # holds the GIL ~50 ms).
+            self._unloaded = False
             mx.clear_cache()
         if self._is_distributed:
             return  # (a clock differs between ranks: their models must not)
@@ -1131,13 +1155,7 @@ class Engine:
 
     def _waiting_for(self):
         """The models that requests set aside are for."""
-        keys = set()
-        for request in self._pending:
-            try:
-                keys.add(self.model_provider.key_for(request[2].model))
-            except Exception:  # (_readiness answers it)
-                pass
-        return keys
+        return {self._key_of(request) for request in self._pending}
 
     def _unload(self, key, why: str):
         batch = self._batches.pop(key, None)
@@ -1150,10 +1168,9 @@ class Engine:
         self.model_provider.unload(key, why)
         self._state_machines = {k: v for k, v in self._state_machines.items()
                                 if k[0] != key}
-        # Its weights go with the last reference; the collection and MLX's
-        # buffer cache wait until nothing runs (a gc.collect() holds the GIL
-        # for ~50 ms: a stall of every batch).
-        self._clear_buffers = True
+        # Its weights go with the last reference; MLX's buffer cache is
+        # cleared once nothing runs or waits.
+        self._unloaded = True
 
     def _admit(self, request, stream):
         """Admit a request whose model is loaded: into that model's batch

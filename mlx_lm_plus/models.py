@@ -92,8 +92,9 @@ def _entry(raw, where: str) -> ServedModel:
     for k, v in defaults.items():
         # The checks a request's own value gets (validation.py), so a bad
         # default fails here, not every request that leaves it out.
-        ok = (not isinstance(v, bool) and math.isfinite(v)
-              and isinstance(v, int if k in ("top_k", "max_tokens") else (int, float)))
+        ok = (not isinstance(v, bool)
+              and isinstance(v, int if k in ("top_k", "max_tokens") else (int, float))
+              and not (isinstance(v, float) and not math.isfinite(v)))
         low, high = {"max_tokens": (1, None), "top_k": (0, None), "temperature": (0, 1000),
                      "top_p": (0, 1), "min_p": (0, 1)}[k]
         if not ok or v < low or (high is not None and v > high):
@@ -210,6 +211,10 @@ def _arrays(obj, seen):
     if isinstance(obj, nn.Module):
         for v in vars(obj).values():
             yield from _arrays(v, seen)
+
+
+def _vision_tower(lm) -> bool:
+    return getattr(lm.processor, "vlm", None) is not None
 
 
 class LoadedModel(UpstreamModelProvider):
@@ -349,9 +354,6 @@ class ModelProvider:
     def default_key(self):
         return self.default.key if self.default is not None else None
 
-    def entry(self, name) -> Optional[ServedModel]:
-        return self._names.get(name)
-
     def key_for(self, desc):
         """The (model, adapter, draft) key a request's model/adapters/
         draft_model name. A served name brings its own adapter (the request's
@@ -407,19 +409,25 @@ class ModelProvider:
 
     def add(self, lm: LoadedModel):
         self.loaded[lm.key] = lm
+        if lm.draft_model is None and not _vision_tower(lm):
+            self._disk_bytes[lm.key[0]] = lm.nbytes  # (what loading it again takes)
         self.loads += 1
+
+    def forget_size(self, key):
+        """A load of `key` failed or was given up: its estimate (0 for a repo
+        not downloaded then) is looked up again next time."""
+        self._disk_bytes.pop(key[0], None)
 
     def unload(self, key, why: str):
         lm = self.loaded.pop(key, None)
         if lm is not None:
-            self._disk_bytes[key[0]] = lm.nbytes  # (what loading it again will take)
             self.unloads += 1
             logging.info(f"Unloaded model {key[0]} ({why}; {lm.nbytes / 1e9:.2f} GB)")
 
     def reset(self):
         self.loaded.clear()
 
-    def default_is_vision(self, key) -> bool:
+    def is_vision(self, key) -> bool:
         return self._vision_fact(key)[0]
 
     def image_max_pixels(self, key) -> Optional[int]:
@@ -448,10 +456,9 @@ class ModelProvider:
         if key[0] not in self._disk_bytes:  # (asked at every step while it waits)
             if len(self._disk_bytes) > 256:
                 self._disk_bytes.clear()
-            size = weights_bytes_on_disk(key[0])
-            if not size:  # (not downloaded yet: ask again next time)
-                return held + extra_bytes <= self.memory_budget()
-            self._disk_bytes[key[0]] = size
+            # (0 for a repo not downloaded yet: its size is known once it
+            # loaded, `add`.)
+            self._disk_bytes[key[0]] = weights_bytes_on_disk(key[0])
         return held + self._disk_bytes[key[0]] + extra_bytes <= self.memory_budget()
 
     def vocab_size(self, key) -> Optional[int]:

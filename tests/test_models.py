@@ -394,3 +394,26 @@ def test_a_stuck_load_is_given_up(paths, monkeypatch):
                                "max_tokens": 3})[0]) == 3
     finally:
         runner.close()
+
+
+def test_an_unloaded_model_is_freed(paths):
+    """keep_alive 0 unloads beta once its request is done, and nothing keeps
+    its weights alive (no reference cycles, no gc.collect needed)."""
+    import weakref
+
+    from tests.engine_harness import EngineRunner
+
+    runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"]])
+    beta = (paths["beta"], None, None)
+    try:
+        runner.loaded
+        channel = runner.submit({"model": paths["beta"], "messages": messages("hi"),
+                                 "keep_alive": 0, "max_tokens": 400,
+                                 "logit_bias": {"0": -100, "1": -100, "2": -100}})
+        wait_for(lambda: runner.provider.get(beta) is not None)
+        weights = weakref.ref(runner.provider.get(beta).model)
+        assert len(channel.result()[0]) == 400  # (it ran while beta was held)
+        wait_for(lambda: runner.provider.get(beta) is None)
+        wait_for(lambda: weights() is None, timeout=5)
+    finally:
+        runner.close()
