@@ -377,7 +377,8 @@ class ModelProvider:
         --allow-model-loading (upstream loads whatever is named)."""
         if self.cli_args.allow_model_loading:
             return True
-        return self.key_for(desc) in {e.key for e in self.served}
+        key = self.key_for(desc)
+        return any(key == e.key for e in self.served)
 
     def defaults_for(self, name):
         """The CLI arguments a request naming `name` is parsed with: the
