@@ -391,7 +391,6 @@ def build_vision_fixture(kind: str, root) -> Path:
     the vision tokens, a numpy-processor preprocessor_config, weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     assert kind in VISION_KINDS, kind
     out = Path(root) / kind
@@ -399,14 +398,7 @@ def build_vision_fixture(kind: str, root) -> Path:
     if marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=512, special_tokens=VISION_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in VISION_SPECIAL_TOKENS}
+    ids = _train_tokenizer(out, VISION_SPECIAL_TOKENS)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": VISION_CHAT_TEMPLATE,
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
@@ -418,7 +410,7 @@ def build_vision_fixture(kind: str, root) -> Path:
         "image_std": [0.26862954, 0.26130258, 0.27577711]}))
     text = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-            "vocab_size": tok.get_vocab_size(), "rope_theta": 10000.0,
+            "vocab_size": ids["_vocab_size"], "rope_theta": 10000.0,
             "max_position_embeddings": 32768, "tie_word_embeddings": False,
             "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
     if kind == "qwen2_vl":
