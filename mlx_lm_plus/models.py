@@ -305,6 +305,12 @@ class LoadedModel(UpstreamModelProvider):
         self.model = model
         self.tokenizer = tokenizer
         self.processor = upstream.load_processor(model, config)
+        if config.get("vision_config") and self.processor is None:
+            # (Say which path it takes: images are not served for it yet.)
+            logging.warning(
+                f"{model_path} is a vision-language model ({config.get('model_type')}) "
+                "that is served as text only: its image parts get a 400 (batched "
+                "vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5; README: Vision-language models)")
         self.draft_model = draft_model
         self.is_batchable = draft_model is None and all(
             hasattr(c, "merge") for c in upstream.make_prompt_cache(model))
