@@ -504,7 +504,8 @@ class ModelProvider:
         """The `model` label of a request's metrics: the id of the served
         entry it names, else "other" (a name a client made up must not
         become a label)."""
+        key = self.key_for(desc)
         entry = self._names.get(desc.model)
-        if entry is None or entry.key != self.key_for(desc):
-            entry = next((e for e in self.served if e.key == self.key_for(desc)), None)
+        if entry is None or entry.key != key:
+            entry = next((e for e in self.served if e.key == key), None)
         return entry.name if entry is not None else "other"
