@@ -96,16 +96,27 @@ def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
         extra = ["--prompt-cache-bytes", str(args.memory_budget)]
     elif name == "admission":
         extra = ["--prefill-step-size", str(ADMISSION_STEP)]
-    with ServerProcess(command, ["--model", model, *extra], log=log) as server:
-        async def drive():
-            async with session() as http:
-                run = Run(server.url, tokenizer, http, args.max_tokens, args.smoke, bare)
-                return await WORKLOADS[name](run)
+    server = ServerProcess(command, ["--model", model, *extra], log=log)
+    try:
+        server.start()
+    except (TimeoutError, RuntimeError, OSError):  # (upstream can't load SmolVLM, say)
+        server.stop()
+        return {"error": f"the server did not start (its log: {log})"}
+    except BaseException:  # (^C: its own session, so it would outlive us)
+        server.stop()
+        raise
 
-        try:
-            return asyncio.run(drive())
-        except RuntimeError as e:  # the server refused the workload's requests
-            return {"error": str(e)[:120]}
+    async def drive():
+        async with session() as http:
+            run = Run(server.url, tokenizer, http, args.max_tokens, args.smoke, bare)
+            return await WORKLOADS[name](run)
+
+    try:
+        return asyncio.run(drive())
+    except RuntimeError as e:  # the server refused the workload's requests
+        return {"error": str(e)[:120]}
+    finally:
+        server.stop()
 
 
 def combine(per_round):

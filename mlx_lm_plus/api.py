@@ -422,18 +422,21 @@ class Server:
         """Decode, scale down and fingerprint a request's images in an
         executor: neither the event loop nor the generation thread spends
         its time on pixels (a 40-megapixel image takes about a second)."""
-        if req.request_type != "chat" or not self.engine.serves_vision(model):
+        if req.request_type != "chat":
             return
         urls = [_image_url(p) for p in _image_parts(req.messages)]
         if not urls:
             return
         loop = asyncio.get_running_loop()
+        # (Off the loop: for a model not loaded yet, its config files are read.)
+        if not await loop.run_in_executor(None, self.engine.serves_vision, model):
+            return
         try:
             # Two requests' images decode at once: each holds its pixels
             # (up to --max-request-image-pixels) until the engine plans it.
             async with self._decoding:
                 req.images = await loop.run_in_executor(
-                    None, decode_images, urls, self.engine.image_max_pixels(model)
+                    None, lambda: decode_images(urls, self.engine.image_max_pixels(model))
                 )
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e

@@ -75,6 +75,7 @@ from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
 from .validation import RequestError, check_vocab
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
+from .vlm_generation import MlxVlmGeneration, responses
 
 
 # A checkpoint is stored only this many tokens or more after the previous one
@@ -452,8 +453,8 @@ class Engine:
     def vision_stats(self) -> Optional[Dict[str, int]]:
         """Images through the vision tower and images served from the cache,
         over the loaded vision models (None when none is loaded)."""
-        visions = [v for lm in list(self.model_provider.loaded.values())
-                   if (v := _vision(lm)) is not None]
+        visions = [lm.processor for lm in list(self.model_provider.loaded.values())
+                   if isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))]
         if not visions:
             return None
         return {"images_encoded": sum(v.calls for v in visions),
@@ -692,7 +693,7 @@ class Engine:
         key = self.model_provider.key_for(model)
         lm = self.model_provider.get(key)
         if lm is not None:
-            return _vision(lm) is not None
+            return isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))
         return self.model_provider.is_vision(key)
 
     def image_max_pixels(self, model) -> Optional[int]:
@@ -1279,12 +1280,12 @@ class Engine:
 
     def _serve_single(self, lm, channel, request, args, stream):
         """Sequential path: seed, draft model, images (and --kv-bits on models
-        quantized_batch.py does not batch)."""
+        quantized_batch.py does not batch), and every request for a model
+        served through mlx-vlm's own generation (vlm_generation.py)."""
         tic = time.perf_counter()
         self.admitted += 1
         try:
-            model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
-            vision_support = _vision(lm)
+            tokenizer, draft_model = lm.tokenizer, lm.draft_model
             planned = self._plan(lm, request, args)
             plan, constraint = planned.plan, planned.constraint
             segments = self._split(plan, self._shared_depth(lm, plan))
@@ -1303,59 +1304,19 @@ class Engine:
                 logits_processors.append(constraint)
 
             cache_key = plan.cache_key
-            cache, ctx.prompt_cache_count = self._fetch_cache(lm, cache_key)
-            covered = ctx.prompt_cache_count
-            if vision_support is not None:
-                cache, ctx.prompt_cache_count, covered = self._resume(
-                    lm, plan, segments, cache, covered, channel
-                )
-            rest = plan.tokens[covered:]
-            if cache is None:
-                cache = make_prompt_cache(model)
-                if draft_model is not None:
-                    cache += make_prompt_cache(draft_model)
-            channel.put(ctx)
-
-            progress = self._prefill_progress(channel, cache)
-
-            if draft_model is None and (plan.vision is None or vision_support is not None):
-                rest = self._prefill_checkpoints(lm, cache, plan, segments, covered,
-                                                 progress)
-
-            input_embeddings = None
-            vision = plan.vision
-            if vision is not None and vision_support is None:  # mlx-lm's own vision models
-                n = sum(i < ctx.prompt_cache_count for i in vision.starts)
-                if pixel_values := vision.pixel_values[n:]:
-                    tic = time.perf_counter()
-                    input_embeddings = model.embed_inputs(
-                        mx.array(rest), pixel_values=pixel_values
-                    )
-                    mx.eval(input_embeddings)
-                    self.observe("vision_seconds", time.perf_counter() - tic)
+            if isinstance(lm.processor, MlxVlmGeneration):
+                cache, generation = self._mlx_vlm_generation(
+                    lm, channel, plan, ctx, args, sampler, logits_processors)
+            else:
+                cache, generation = self._mlx_lm_generation(
+                    lm, channel, plan, segments, ctx, args, stream, sampler,
+                    logits_processors)
 
             stop_matcher = stop_sequences.matcher()
             seconds = self.thread_seconds
             seconds["admission"] += time.perf_counter() - tic
             tic = time.perf_counter()
-            for gen in stream_generate(
-                model=model,
-                stream=stream,
-                tokenizer=tokenizer,
-                prompt=rest,
-                max_tokens=args.max_tokens,
-                sampler=sampler,
-                logits_processors=logits_processors,
-                prompt_cache=cache,
-                draft_model=draft_model,
-                num_draft_tokens=args.num_draft_tokens,
-                input_embeddings=input_embeddings,
-                prompt_progress_callback=progress,
-                prefill_step_size=self.cli_args.prefill_step_size,
-                kv_bits=self.cli_args.kv_bits,
-                kv_group_size=self.cli_args.kv_group_size,
-                quantized_kv_start=self.cli_args.quantized_kv_start,
-            ):
+            for gen in generation:
                 toc = time.perf_counter()
                 seconds["model"] += toc - tic
                 self.tokens_out += 1
@@ -1390,7 +1351,8 @@ class Engine:
                 channel.removed()
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
-            self._store(lm, cache_key, cache, "generated", reply_start=len(plan.tokens))
+            if not isinstance(lm.processor, MlxVlmGeneration):
+                self._store(lm, cache_key, cache, "generated", reply_start=len(plan.tokens))
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
@@ -1411,6 +1373,81 @@ class Engine:
                 self.relieve_memory()
             channel.put(error)
 
+    def _mlx_lm_generation(self, lm, channel, plan, segments, ctx, args, stream, sampler,
+                           logits_processors):
+        """(cache, responses) of the sequential path on mlx-lm's generation:
+        the cached prefix, the images and checkpoints prefilled here, the
+        rest in stream_generate."""
+        model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
+        vision_support = _vision(lm)
+        cache, ctx.prompt_cache_count = self._fetch_cache(lm, plan.cache_key)
+        covered = ctx.prompt_cache_count
+        if vision_support is not None:
+            cache, ctx.prompt_cache_count, covered = self._resume(
+                lm, plan, segments, cache, covered, channel
+            )
+        rest = plan.tokens[covered:]
+        if cache is None:
+            cache = make_prompt_cache(model)
+            if draft_model is not None:
+                cache += make_prompt_cache(draft_model)
+        channel.put(ctx)
+
+        progress = self._prefill_progress(channel, cache)
+
+        if draft_model is None and (plan.vision is None or vision_support is not None):
+            rest = self._prefill_checkpoints(lm, cache, plan, segments, covered,
+                                             progress)
+
+        input_embeddings = None
+        vision = plan.vision
+        if vision is not None and vision_support is None:  # mlx-lm's own vision models
+            n = sum(i < ctx.prompt_cache_count for i in vision.starts)
+            if pixel_values := vision.pixel_values[n:]:
+                tic = time.perf_counter()
+                input_embeddings = model.embed_inputs(
+                    mx.array(rest), pixel_values=pixel_values
+                )
+                mx.eval(input_embeddings)
+                self.observe("vision_seconds", time.perf_counter() - tic)
+
+        return cache, stream_generate(
+            model=model,
+            stream=stream,
+            tokenizer=tokenizer,
+            prompt=rest,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            logits_processors=logits_processors,
+            prompt_cache=cache,
+            draft_model=draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            input_embeddings=input_embeddings,
+            prompt_progress_callback=progress,
+            prefill_step_size=self.cli_args.prefill_step_size,
+            kv_bits=self.cli_args.kv_bits,
+            kv_group_size=self.cli_args.kv_group_size,
+            quantized_kv_start=self.cli_args.quantized_kv_start,
+        )
+
+    def _mlx_vlm_generation(self, lm, channel, plan, ctx, args, sampler, logits_processors):
+        """(cache, responses) of a model served through mlx-vlm's own
+        generation: the whole prompt into an empty cache, never stored (its
+        bytes count against the budget while it runs). The logits processors
+        see the prompt and the tokens so far, as on mlx-lm's paths (mlx-vlm
+        hands them only what it fed since its prefill)."""
+        ctx.prompt_cache_count = 0
+        channel.put(ctx)
+        self._beat("an mlx-vlm prefill")  # (the vision tower runs before its first chunk)
+        cache = lm.processor.make_cache()
+        pairs = lm.processor.generate(
+            plan.tokens, plan.vision, cache, sampler,
+            [_with_prompt(p, plan.tokens) for p in logits_processors],
+            args.max_tokens, self.cli_args.prefill_step_size,
+            progress=self._prefill_progress(channel, cache), kv_bits=self.cli_args.kv_bits,
+            kv_group_size=self.cli_args.kv_group_size,
+            quantized_kv_start=self.cli_args.quantized_kv_start)
+        return cache, responses(lm.tokenizer, pairs, len(plan.tokens), args.max_tokens)
 
     def _prefill_checkpoints(self, lm, cache, plan, segments, cached, progress):
         """Sequential path: prefill up to each checkpoint and store a copy there.
@@ -1436,6 +1473,21 @@ class Engine:
             done += len(segment)
             self._store(lm, plan.cache_key[:done], copy.deepcopy(cache), kind)
         return segments[-1]
+
+
+def _with_prompt(processor, prompt: List[int]):
+    """A logits processor given the whole context, where mlx-vlm's
+    generate_step passes only the prompt's tail it fed last (the same tail
+    at every step) and the tokens generated since."""
+    tail = head = None
+
+    def process(tokens, logits):
+        nonlocal tail, head
+        if tail is None:
+            tail, head = tokens.size, mx.array(prompt, tokens.dtype)
+        return processor(mx.concatenate([head, tokens[tail:]]), logits)
+    return process
+
 
 def _vision(lm) -> Optional[VisionSupport]:
     """A model's vision support (mlx-vlm models), or None."""

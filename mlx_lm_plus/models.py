@@ -30,6 +30,7 @@ import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from .vision import configured_max_pixels, is_vision_model, load_vision_model
+from .vlm_generation import is_mlx_vlm_model, load_mlx_vlm_model
 
 # The sampling defaults a --models-config entry may set: its key -> the CLI
 # flag (argparse dest) it stands in for.
@@ -60,6 +61,9 @@ class ServedModel:
     pinned: bool = False  # never unloaded for room or by TTL
     ttl: Optional[float] = None  # idle seconds before unloading (None: --model-ttl)
     defaults: Dict[str, Any] = field(default_factory=dict)  # flag dest -> value
+    # "sequential": images (and text) through mlx-vlm's own generation, one
+    # request at a time, for a family mlx-lm would serve as text only.
+    vision: Optional[str] = None
 
     @property
     def key(self):
@@ -72,7 +76,7 @@ def _entry(raw, where: str) -> ServedModel:
     if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
         raise ValueError(f"{where}: an entry needs a `path` string")
     known = {"name", "path", "adapter_path", "draft_model", "aliases", "pinned", "ttl",
-             "defaults"}
+             "defaults", "vision"}
     if unknown := set(raw) - known:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     aliases = raw.get("aliases", [])
@@ -86,6 +90,12 @@ def _entry(raw, where: str) -> ServedModel:
                     ("pinned", bool)):
         if raw.get(k) is not None and not isinstance(raw[k], kind):
             raise ValueError(f"{where}: `{k}` must be a {kind.__name__}")
+    if raw.get("vision") not in (None, "sequential"):
+        raise ValueError(f'{where}: `vision` may be "sequential" (images through '
+                         "mlx-vlm's own generation, one request at a time)")
+    if raw.get("vision") and (raw.get("adapter_path") or raw.get("draft_model")):
+        raise ValueError(f"{where}: `vision` is not available with an adapter or a draft "
+                         "model (those load through mlx-lm, as text)")
     defaults = raw.get("defaults", {})
     if not isinstance(defaults, dict) or set(defaults) - set(MODEL_DEFAULTS):
         raise ValueError(f"{where}: `defaults` may set {sorted(MODEL_DEFAULTS)}")
@@ -107,7 +117,8 @@ def _entry(raw, where: str) -> ServedModel:
         adapter=raw.get("adapter_path"), draft=raw.get("draft_model"),
         aliases=tuple(aliases), pinned=bool(raw.get("pinned", False)),
         ttl=None if ttl is None else float(ttl),
-        defaults={MODEL_DEFAULTS[k]: v for k, v in defaults.items()})
+        defaults={MODEL_DEFAULTS[k]: v for k, v in defaults.items()},
+        vision=raw.get("vision"))
 
 
 def _resolved(path: str) -> str:
@@ -208,9 +219,40 @@ def _arrays(obj, seen):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _arrays(v, seen)
-    if isinstance(obj, nn.Module):
-        for v in vars(obj).values():
+    # A module's attributes; and those of the plain helper objects mlx-lm and
+    # mlx-vlm keep in one (mlx-vlm's Pixtral rotary embedding is no Module,
+    # and its inv_freq would be left to the thread that loaded it).
+    if isinstance(obj, nn.Module) or type(obj).__module__.startswith(("mlx_lm.", "mlx_vlm.")):
+        for v in getattr(obj, "__dict__", {}).values():
             yield from _arrays(v, seen)
+
+
+def image_path(model_path, sequential: bool = False) -> Optional[str]:
+    """How a folder's image requests are served: "batched" (vision.py's
+    families), "sequential" (through mlx-vlm's own generation: a family
+    mlx-lm can't load at all, or one the config asks that of), or None
+    (text only: no vision config, or mlx-lm's text model of the family)."""
+    if sequential and is_mlx_vlm_model(model_path):
+        return "sequential"
+    if is_vision_model(model_path):
+        return "batched"
+    if is_mlx_vlm_model(model_path) and not _mlx_lm_has(model_path):
+        return "sequential"
+    return None
+
+
+def _mlx_lm_has(model_path) -> bool:
+    """Whether mlx-lm has a model for the folder's family."""
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    try:
+        model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
+        name = MODEL_REMAPPING.get(model_type, model_type)
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except Exception:  # (unreadable: mlx-lm's load says why)
+        return True
 
 
 def _vision_tower(lm) -> bool:
@@ -221,8 +263,9 @@ class LoadedModel(UpstreamModelProvider):
     """One loaded model: an upstream ModelProvider that holds only it, with
     how long it stays (the engine's residency fields)."""
 
-    def __init__(self, cli_args, key, pinned=False, ttl=None):
+    def __init__(self, cli_args, key, pinned=False, ttl=None, sequential_vision=False):
         super().__init__(cli_args)
+        self.sequential_vision = sequential_vision
         self._load(*key)
         # Loaded on the loader thread and used on the generation thread: an
         # array left unevaluated here belongs to this thread's stream, and
@@ -264,8 +307,11 @@ class LoadedModel(UpstreamModelProvider):
         for its first step: dropping the model it held and a gc.collect(),
         which holds the GIL for ~50 ms (a stall of every model generating
         meanwhile on the generation thread) and has nothing to free here."""
-        if not (is_vision_model(model_path) and adapter_path is None
-                and draft_model_path is None and not self.is_distributed):
+        plain = adapter_path is None and draft_model_path is None and not self.is_distributed
+        path = image_path(model_path, getattr(self, "sequential_vision", False)) if plain else None
+        if path == "sequential":
+            return self._load_mlx_vlm(model_path)
+        if path is None:
             return self._load_text(model_path, adapter_path, draft_model_path)
         model, tokenizer, vision = load_vision_model(model_path)
         if self.cli_args.chat_template:
@@ -276,7 +322,24 @@ class LoadedModel(UpstreamModelProvider):
         self.processor = vision
         self.draft_model = None
         self.is_batchable = True
-        logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm)")
+        logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
+                     "image requests batch with text requests")
+
+    def _load_mlx_vlm(self, model_path):
+        model, tokenizer, generation = load_mlx_vlm_model(model_path)
+        if self.cli_args.chat_template:
+            tokenizer.chat_template = self.cli_args.chat_template
+        self.model_key = (model_path, None, None)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = generation
+        self.draft_model = None
+        self.is_batchable = False
+        logging.info(
+            f"Loaded {model_path} as a vision-language model ({generation.model_type}) served "
+            "through mlx-vlm's own generation: one request at a time, without the prompt "
+            "cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, "
+            "Idefics3, SmolVLM)")
 
     def _load_text(self, model_path, adapter_path, draft_model_path):
         if self.is_distributed and (adapter_path is not None
@@ -309,8 +372,9 @@ class LoadedModel(UpstreamModelProvider):
             # (Say which path it takes: images are not served for it yet.)
             logging.warning(
                 f"{model_path} is a vision-language model ({config.get('model_type')}) "
-                "that is served as text only: its image parts get a 400 (batched "
-                "vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5; README: Vision-language models)")
+                "that is served as text only, batched: its image parts get a 400. "
+                'With "vision": "sequential" in --models-config its images are served '
+                "through mlx-vlm, one request at a time (README: Vision-language models)")
         self.draft_model = draft_model
         self.is_batchable = draft_model is None and all(
             hasattr(c, "merge") for c in upstream.make_prompt_cache(model))
@@ -408,7 +472,8 @@ class ModelProvider:
         # (Under mx.distributed one model at a time, as upstream: none pinned.)
         pinned = any(e.pinned for e in entries) and not self.is_distributed
         ttl = next((e.ttl for e in entries if e.ttl is not None), None)
-        lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl)
+        lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl,
+                         sequential_vision=self._sequential_vision(key))
         lm.load_seconds = time.perf_counter() - tic
         logging.info(f"Loaded model {key[0]} in {lm.load_seconds:.1f} s "
                      f"({lm.nbytes / 1e9:.2f} GB)")
@@ -440,14 +505,22 @@ class ModelProvider:
     def image_max_pixels(self, key) -> Optional[int]:
         return self._vision_fact(key)[1]
 
+    def _sequential_vision(self, key) -> bool:
+        return any(e.vision == "sequential" for e in self.served if e.key == key)
+
     def _vision_fact(self, key):
-        if key not in self._vision_facts:
+        """(whether `key` will serve images, its processor's pixel limit),
+        known before it is loaded."""
+        fact = self._vision_facts.get(key)
+        if fact is None:  # (asked from executor threads: no second lookup)
             if len(self._vision_facts) > 256:  # (keys a client named)
                 self._vision_facts.clear()
-            vision = key is not None and is_vision_model(key[0])
-            self._vision_facts[key] = (vision, configured_max_pixels(key[0]) if vision
-                                       else None)
-        return self._vision_facts[key]
+            path = None
+            if key is not None and key[1] is None and key[2] is None and not self.is_distributed:
+                path = image_path(key[0], self._sequential_vision(key))
+            fact = (path is not None, configured_max_pixels(key[0]) if path == "batched" else None)
+            self._vision_facts[key] = fact
+        return fact
 
     def fits(self, key, extra_bytes: int = 0) -> bool:
         """Whether `key` may be loaded beside the models loaded now: fewer

@@ -17,6 +17,8 @@ from mlx_lm.server import (
     CompletionRequest,
     Vision,
     _decode_image,
+    _image_parts,
+    _image_url,
     _make_vision,
     convert_chat,
     process_message_content,
@@ -24,6 +26,7 @@ from mlx_lm.server import (
 from tokenizers import Tokenizer
 
 from .vision import VisionSupport
+from .vlm_generation import MlxVlmGeneration
 
 
 @dataclass
@@ -70,12 +73,24 @@ def build_prompt(
 
     messages = request.messages
     if not tokenizer.has_chat_template:
+        if processor is not None and any(_image_parts(messages)):
+            # (convert_chat would write the parts' repr, data URL and all)
+            raise ValueError("This model has no chat template to place images with")
         tokens = tokenizer.encode(convert_chat(messages, request.role_mapping))
         return PromptPlan(tokens, [tokens], ["prompt"])
 
     urls = process_message_content(messages, keep_images=processor is not None)
+    if urls and isinstance(processor, (VisionSupport, MlxVlmGeneration)):
+        _as_image_parts(messages)
     kwargs = dict(tools=request.tools, tokenize=True, **chat_template_args)
     vision = None
+    if urls and isinstance(processor, MlxVlmGeneration):
+        # Served through mlx-vlm's own generation: its expansion, one segment.
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
+        )
+        tokens, vision = processor.prepare(text, urls, getattr(request, "images", None))
+        return PromptPlan(tokens, [tokens], ["prompt"], _initial_state(tokenizer, tokens), vision)
     if urls and isinstance(processor, VisionSupport):
         # A vision-language model served through mlx-vlm (vision.py).
         text = tokenizer.apply_chat_template(
@@ -117,6 +132,18 @@ def build_prompt(
 
     boundaries = checkpoint_positions(tokenizer, messages, tokens, kwargs)
     return _plan(tokens, boundaries, initial_state, None)
+
+
+def _as_image_parts(messages) -> None:
+    """Every image part (image_url, input_image, image) of type "image", its
+    other keys kept: the templates of Gemma 3, Idefics3, SmolVLM and others
+    write a placeholder only for `type == 'image'` (Hugging Face's content
+    format); Qwen's and Mistral's take it too."""
+    for message in messages:
+        if isinstance(message.get("content"), list):
+            for part in message["content"]:
+                if isinstance(part, dict) and _image_url(part) is not None:
+                    part["type"] = "image"
 
 
 def _plan(tokens, boundaries, initial_state, vision) -> PromptPlan:
@@ -415,26 +442,80 @@ def image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs) -> L
     `checkpoint_positions`.
 
     The template writes each image as one placeholder token, which the
-    processor expands into the image's tokens: the sentinel renderings are
-    compared with the prompt as the template tokenizes it, and a position
-    after an image moves by that image's extra tokens. If the two
+    processor expands into the image's tokens (and, in some families, markup
+    around them): the boundaries are found in the prompt as the template
+    tokenizes it, then moved past the expansions before them. If the two
     tokenizations disagree on the text, only the image ends are kept.
     """
     n = len(tokens)
     found = {img.end: "checkpoint" for img in vision.images if img.end < n}
-    collapsed, shifts, removed = list(tokens), [], 0
-    for img in vision.images:
-        del collapsed[img.start + 1 - removed : img.end - removed]
-        shifts.append((img.start - removed, img.end - img.start - 1))
-        removed += img.end - img.start - 1
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-    if list(rendered) == collapsed:
-        for p, kind in checkpoint_positions(tokenizer, messages, collapsed, kwargs):
-            p += sum(extra for placeholder, extra in shifts if placeholder < p)
-            p = vision.safe_prefix(p)
+    rendered = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **kwargs))
+    blanks: Dict[int, bool] = {}
+
+    def blank(token: int) -> bool:
+        if token not in blanks:
+            blanks[token] = tokenizer.decode([token]).strip() == ""
+        return blanks[token]
+
+    expanded = (_expanded_position(rendered, tokens, vision)
+                or _expanded_position(rendered, tokens, vision, blank))
+    if expanded is not None:
+        for p, kind in checkpoint_positions(tokenizer, messages, rendered, kwargs):
+            p = vision.safe_prefix(expanded(p))
             if 0 < p < n:
                 found.setdefault(p, kind)
     return sorted(found.items())
+
+
+def _expanded_position(rendered: List[int], tokens: List[int], vision, blank=None):
+    """A function from a position in `rendered` (one placeholder per image)
+    to the same place in `tokens` (images expanded), or None where the two
+    differ outside the images.
+
+    The template's text between two placeholders is found after the first
+    image's end, the text after the last one ends the prompt. With `blank`
+    (whether a token is whitespace), whitespace tokens next to a placeholder
+    are left out of the match: a processor that writes blank lines around an
+    image (Gemma 3) may have its newlines merged with the template's into
+    other tokens; a position in such whitespace goes to the nearest matched
+    token."""
+    holders = [i for i, t in enumerate(rendered) if t == vision.placeholder]
+    images = vision.images
+    if not images or len(holders) != len(images):
+        return None
+    # Each stretch of the template's text around the placeholders:
+    # (its start, its matched core's start and end in `rendered`, the
+    # core's start in `tokens`).
+    stretches = []
+    bounds = [-1, *holders, len(rendered)]
+    for k in range(len(bounds) - 1):
+        lo, hi = bounds[k] + 1, bounds[k + 1]
+        a, b = lo, hi
+        while blank and a < b and k > 0 and blank(rendered[a]):
+            a += 1
+        while blank and a < b and k < len(holders) and blank(rendered[b - 1]):
+            b -= 1
+        core = rendered[a:b]
+        if k == 0:
+            candidates = [0]
+        elif k == len(holders):
+            candidates = [len(tokens) - len(core)]
+        else:
+            candidates = range(images[k - 1].end, images[k].start - len(core) + 1)
+        at = next((j for j in candidates
+                   if j >= (images[k - 1].end if k else 0) and tokens[j : j + len(core)] == core),
+                  None)
+        if at is None:
+            return None
+        stretches.append((lo, a, b, at))
+
+    def expanded(p: int) -> int:
+        k = bisect.bisect_right([lo for lo, _, _, _ in stretches], p) - 1
+        _, a, b, at = stretches[max(k, 0)]
+        return at + min(max(p, a), b) - a
+
+    return expanded
 
 
 def split_at(plan: PromptPlan, position: int, kind: str = "checkpoint") -> None:

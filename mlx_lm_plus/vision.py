@@ -21,6 +21,11 @@ mlx-lm's own language model instead, on mlx-vlm's weights
 (`HybridTextModel`); its image prompts get checkpoints at each image's end,
 since a hybrid cache can't be cut back.
 
+Gemma 3 and Idefics3/SmolVLM have no M-RoPE: the image features take the
+place of the placeholders' embeddings and positions stay plain
+(`PlainTextModel`, mlx-vlm's language model on mlx-lm's caches, so the
+sliding-window layers of Gemma 3 batch as mlx-lm's rotating caches do).
+
 Cache keys: each image's placeholder tokens are replaced by one negative id
 derived from an xxh3 fingerprint of the decoded pixels (with size and
 mode), so the same picture sent again (even re-encoded) hits, and two
@@ -39,32 +44,48 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from .logs import warn_once
 
-# The families whose M-RoPE and feature merge this module handles.
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+# Families with M-RoPE, whose positions and feature merge this module handles.
+MROPE_VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 # Hybrid ones, served by mlx-lm's language model on mlx-vlm's weights.
 HYBRID_VISION_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# Families with plain positions: features in place of the placeholders.
+PLAIN_VISION_MODEL_TYPES = ("gemma3", "idefics3", "smolvlm")
+# Every family whose image requests batch.
+VISION_MODEL_TYPES = MROPE_VISION_MODEL_TYPES + PLAIN_VISION_MODEL_TYPES
+
+
+def _read_json(path) -> dict:
+    try:  # (a name a client sent: too long for a path, say)
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def is_vision_model(model_path) -> bool:
-    """A local folder whose config names a supported vision-language model."""
-    try:  # (a name a client sent: too long for a path, say)
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(cfg, dict) and "vision_config" in cfg
-            and cfg.get("model_type") in VISION_MODEL_TYPES)
+    """A local folder whose config names a vision-language model we batch."""
+    cfg = _read_json(Path(model_path) / "config.json")
+    return "vision_config" in cfg and cfg.get("model_type") in VISION_MODEL_TYPES
 
 
 def configured_max_pixels(model_path) -> Optional[int]:
-    """The image processor's pixel limit from a model folder's
-    preprocessor_config.json (before the model is loaded), or None."""
-    try:
-        cfg = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
-    except (OSError, ValueError):
+    """The most pixels the image processor passes on, from a model folder's
+    configs (before the model is loaded), or None."""
+    model_type = _read_json(Path(model_path) / "config.json").get("model_type")
+    return _max_pixels(model_type, _read_json(Path(model_path) / "preprocessor_config.json"))
+
+
+def _max_pixels(model_type, cfg: dict) -> Optional[int]:
+    """Qwen's processors scale an image down to a pixel count, and scaling
+    it down to that first changes nothing. The others resize to a longest
+    edge (Idefics3, SmolVLM) or a fixed square (Gemma 3): scaling first
+    would resample twice and change the pixels, so they get the picture as
+    sent (within --max-image-pixels)."""
+    if model_type not in MROPE_VISION_MODEL_TYPES:
         return None
     size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
     value = cfg.get("max_pixels") or size.get("max_pixels") or size.get("longest_edge")
@@ -168,6 +189,53 @@ class TextModel(nn.Module):
                             position_ids=positions, **extra)
 
 
+class PlainKVCache(KVCache):
+    """mlx-lm's KVCache for mlx-vlm's language models: not quantized
+    (--kv-bits), as the M-RoPE layers: mlx-vlm's attention on mlx-lm's
+    quantized caches, batched or not, is not what these models are tested on."""
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        warn_once("--kv-bits: vision models' layers are not quantized")
+        return self
+
+
+class PlainRotatingKVCache(RotatingKVCache):
+    """A sliding-window layer (Gemma 3) left as it is under --kv-bits, where
+    mlx-lm's RotatingKVCache.to_quantized raises (every request a 500)."""
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        warn_once("--kv-bits: vision models' layers are not quantized")
+        return self
+
+
+class PlainTextModel(nn.Module):
+    """mlx-vlm's language model of a family without M-RoPE, on mlx-lm's
+    caches (which BatchGenerator merges and the prompt store keeps)."""
+
+    def __init__(self, vlm):
+        super().__init__()
+        self.language_model = vlm.language_model
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def make_cache(self):
+        # mlx-vlm's own cache classes have no batch counterparts in mlx-lm:
+        # the same layout in mlx-lm's classes (full or sliding window).
+        make = getattr(self.language_model, "make_cache", None)
+        if make is None:
+            return [PlainKVCache() for _ in self.layers]
+        return [PlainRotatingKVCache(max_size=c.max_size, keep=c.keep)
+                if hasattr(c, "max_size") else PlainKVCache() for c in make()]
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        return self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+
+    def prefill_chunk(self, ids, embeddings, cache, positions, **extra):
+        self.language_model(ids, inputs_embeds=embeddings, cache=cache)
+
+
 class _Positions:
     """Where the next tokens sit, read by every attention layer's rotary
     embedding during one forward pass: the request's M-RoPE delta (text,
@@ -254,11 +322,15 @@ def decode_image(url: str, max_pixels: Optional[int] = None):
     """A PIL RGB image from a data URL (validation already checked it),
     scaled down to at most `max_pixels` (the model's processor would scale it
     down to that anyway; doing it here bounds what a request holds)."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     data = base64.b64decode(url.partition(",")[2])
     with Image.open(io.BytesIO(data)) as image:
         image.seek(0)  # GIF: the first frame
+        # A photo's EXIF orientation applied (as mlx-vlm's load_image does;
+        # only then: it decodes the whole picture, a JPEG draft can't follow).
+        if image.getexif().get(0x0112, 1) != 1:
+            image = ImageOps.exif_transpose(image)
         width, height = image.size
         if max_pixels and width * height > max_pixels:
             scale = (max_pixels / (width * height)) ** 0.5
@@ -298,11 +370,12 @@ def fingerprint(image) -> int:
 class ImageSpan:
     start: int  # index of the first placeholder token
     end: int  # one past the last
-    vision_start: int  # index of the <|vision_start|> token before it
+    vision_start: int  # where the image begins: a cached prefix stops before it
     fingerprint: int
-    grid: Tuple[int, int, int]  # (t, h, w) patches
-    pixel_values: Any  # this image's rows of the processor's pixel_values
-    rope_delta: int  # how much this image moves later positions
+    pixel_values: Any  # this image's part of the processor's pixel_values
+    rope_delta: int = 0  # how much this image moves later positions (M-RoPE)
+    grid: Optional[Tuple[int, int, int]] = None  # (t, h, w) patches (M-RoPE)
+    extra: dict = field(default_factory=dict)  # its part of other processor outputs
 
 
 @dataclass
@@ -311,6 +384,9 @@ class VisionPrompt:
     # The prompt's tokens with each image's placeholders replaced by its
     # fingerprint id: what the prompt cache is keyed by.
     cache_key: List[int] = field(default_factory=list)
+    # The token the chat template writes for each image (the processor
+    # expands it into the image's tokens).
+    placeholder: Optional[int] = None
 
     @property
     def starts(self) -> List[int]:
@@ -319,7 +395,7 @@ class VisionPrompt:
 
     def safe_prefix(self, n: int) -> int:
         """The longest prefix up to `n` tokens that does not cut into an image
-        (its <|vision_start|> through its last placeholder)."""
+        (from its vision_start through its last placeholder)."""
         for img in self.images:
             if img.vision_start < n < img.end:
                 return img.vision_start
@@ -333,15 +409,36 @@ class VisionPrompt:
         return max((img.end for img in self.images), default=0)
 
 
+def _runs(tokens: List[int], token_id: int) -> List[Tuple[int, int]]:
+    """(start, end) of each run of `token_id` in `tokens`."""
+    runs, i = [], 0
+    while i < len(tokens):
+        if tokens[i] != token_id:
+            i += 1
+            continue
+        j = i
+        while j < len(tokens) and tokens[j] == token_id:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
 class VisionSupport:
-    """What the engine needs of a vision-language model beyond its text model."""
+    """What the engine needs of a vision-language model beyond its text
+    model: the processor's prompt with images expanded and where each image
+    is (`prepare`), and the image part of a prompt prefilled (`prefill`).
+    One subclass per layout of image tokens and features."""
 
     def __init__(self, vlm, processor, config: dict):
         self.vlm = vlm
         self.processor = processor
-        self.image_token_id = config["image_token_id"]
-        self.vision_start_id = config["vision_start_token_id"]
-        self.merge = config["vision_config"].get("spatial_merge_size", 2)
+        self.model_type = config.get("model_type")
+        image_token = config.get("image_token_id", config.get("image_token_index"))
+        if image_token is None:  # (Idefics3 configs may leave it to the processor)
+            image_token = getattr(processor, "image_token_id", None)
+        self.image_token_id = image_token
+        self.placeholder_id = image_token
         self.calls = 0  # images through the vision tower (tests and metrics)
         self.hits = 0  # images a cached prefix covered (the tower skipped)
 
@@ -349,8 +446,12 @@ class VisionSupport:
     def max_pixels(self) -> Optional[int]:
         """The most pixels the processor passes on (it scales larger images
         down), or None."""
-        value = getattr(getattr(self.processor, "image_processor", None), "max_pixels", None)
-        return value if isinstance(value, int) and value > 0 else None
+        image_processor = getattr(self.processor, "image_processor", None)
+        size = getattr(image_processor, "size", None)  # (a dict, or transformers' SizeDict)
+        return _max_pixels(self.model_type, {
+            "max_pixels": getattr(image_processor, "max_pixels", None),
+            "size": {k: size.get(k) if isinstance(size, dict) else getattr(size, k, None)
+                     for k in ("max_pixels", "longest_edge")}})
 
     def prepare(self, prompt_text: str, urls: List[str],
                 decoded: Optional[List[DecodedImage]] = None
@@ -360,42 +461,30 @@ class VisionSupport:
         the generation thread); else they are decoded here."""
         if decoded is None or len(decoded) != len(urls):
             decoded = decode_images(urls, self.max_pixels)
-        images = [d.image for d in decoded]
-        fingerprints = [d.fingerprint for d in decoded]
-        inputs = self.processor(text=[prompt_text], images=images, padding=False,
-                                return_tensors="mlx")
+        inputs = self.processor(text=[prompt_text], images=[d.image for d in decoded],
+                                padding=False, return_tensors="mlx")
         tokens = mx.array(inputs["input_ids"])[0].tolist()
-        grids = [tuple(int(x) for x in g) for g in mx.array(inputs["image_grid_thw"]).tolist()]
-        pixel_values = mx.array(inputs["pixel_values"])
-        spans, row, i = [], 0, 0
-        while i < len(tokens):
-            if tokens[i] != self.image_token_id:
-                i += 1
-                continue
-            j = i
-            while j < len(tokens) and tokens[j] == self.image_token_id:
-                j += 1
-            k = len(spans)
-            t, h, w = grids[k]
-            rows = t * h * w
-            n_tokens = j - i
-            # Positions used by the image: max over its 3 axes, then text goes on.
-            used = max(t, h // self.merge, w // self.merge)
-            spans.append(ImageSpan(
-                start=i, end=j, vision_start=i - 1, fingerprint=fingerprints[k],
-                grid=(t, h, w), pixel_values=pixel_values[row : row + rows],
-                rope_delta=used - n_tokens,
-            ))
-            row += rows
-            i = j
-        if len(spans) != len(images):
+        spans = self._spans(tokens, inputs)
+        if len(spans) != len(decoded):
             raise ValueError(
-                f"The chat template placed {len(spans)} image(s) for {len(images)} given"
+                f"The chat template placed {len(spans)} image(s) for {len(decoded)} given"
             )
+        for img, d in zip(spans, decoded):
+            img.fingerprint = d.fingerprint
         key = list(tokens)
         for img in spans:
             key[img.start : img.end] = [img.fingerprint] * (img.end - img.start)
-        return tokens, VisionPrompt(spans, key)
+        return tokens, VisionPrompt(spans, key, self.placeholder_id)
+
+    def _spans(self, tokens, inputs) -> List[ImageSpan]:
+        """Where the processor put each image (fingerprints come after)."""
+        raise NotImplementedError
+
+    def _features(self, ids, todo: List[ImageSpan], cached: int, vision: VisionPrompt):
+        """(embeddings, positions or None, chunk_extra(i, j) -> kwargs) of the
+        stretch `ids` (from `cached` to the end of the images), whose images
+        are `todo`."""
+        raise NotImplementedError
 
     def prefill(self, text_model, tokens: List[int], vision: VisionPrompt, cache: List[Any],
                 cached: int, step: int, checkpoints=(), on_checkpoint=None,
@@ -403,9 +492,6 @@ class VisionSupport:
         """Prefill tokens[cached:end of the last image] into `cache` with the
         vision tower on the images not cached yet. Returns the new cached count.
 
-        Positions of this stretch come from mlx-vlm's rope index of the
-        stretch alone, shifted to where it starts (M-RoPE positions are
-        shift-invariant), so the images before it need not be seen again.
         Chunks of `step` tokens also end at each of `checkpoints` inside the
         stretch, where `on_checkpoint(position)` is called. `progress(done,
         total)` is called before the vision tower and after each chunk (it
@@ -418,32 +504,15 @@ class VisionSupport:
         progress = progress or (lambda done, total: None)
         progress(cached, len(tokens))
         ids = mx.array(tokens[cached:end])[None]
-        pixel_values = mx.concatenate([img.pixel_values for img in todo], axis=0)
-        grid = mx.array([img.grid for img in todo])
-        features = self.vlm.get_input_embeddings(ids, pixel_values, image_grid_thw=grid)
+        embeddings, positions, chunk_extra = self._features(ids, todo, cached, vision)
         self.calls += len(todo)
-        delta = vision.delta_at(cached)
-        positions = features.position_ids + (cached + delta)
-        embeddings = features.inputs_embeds
-        # Qwen3-VL adds vision features into early layers at the image
-        # positions ("deepstack"). Each chunk gets its own slice of them, so
-        # mlx-vlm never slices by cache offset (which assumes the mask starts
-        # at position 0, not where this stretch starts).
-        masks = getattr(features, "visual_pos_masks", None)
-        deepstack = getattr(features, "deepstack_visual_embeds", None)
         n = end - cached
         stops = set(range(step, n, step)) | {p - cached for p in checkpoints if cached < p <= end}
         cuts = [0, *sorted(stops | {n})]
         for i, j in zip(cuts, cuts[1:]):
-            extra = {}
-            if masks is not None and deepstack is not None:
-                chunk = masks[:, i:j]
-                before, count = int(masks[:, :i].sum().item()), int(chunk.sum().item())
-                if count:
-                    extra = dict(visual_pos_masks=chunk, deepstack_visual_embeds=[
-                        d[before : before + count] for d in deepstack])
             text_model.prefill_chunk(ids[:, i:j], embeddings[:, i:j], cache,
-                                     positions[:, :, i:j], **extra)
+                                     None if positions is None else positions[:, :, i:j],
+                                     **chunk_extra(i, j))
             mx.eval([c.state for c in cache])
             if cached + j in checkpoints:
                 on_checkpoint(cached + j)
@@ -452,9 +521,146 @@ class VisionSupport:
         return end
 
 
+class MRopeVision(VisionSupport):
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5: each image is
+    <|vision_start|>, its placeholders, <|vision_end|>, at M-RoPE positions."""
+
+    def __init__(self, vlm, processor, config: dict):
+        super().__init__(vlm, processor, config)
+        self.vision_start_id = config["vision_start_token_id"]
+        self.merge = config["vision_config"].get("spatial_merge_size", 2)
+
+    def _spans(self, tokens, inputs):
+        grids = [tuple(int(x) for x in g) for g in mx.array(inputs["image_grid_thw"]).tolist()]
+        pixel_values = mx.array(inputs["pixel_values"])
+        runs = _runs(tokens, self.image_token_id)
+        if len(runs) != len(grids):
+            raise ValueError(f"The chat template placed {len(runs)} image(s) for "
+                             f"{len(grids)} given")
+        spans, row = [], 0
+        for k, (i, j) in enumerate(runs):
+            t, h, w = grids[k]
+            rows = t * h * w
+            # Positions used by the image: max over its 3 axes, then text goes on.
+            used = max(t, h // self.merge, w // self.merge)
+            spans.append(ImageSpan(
+                start=i, end=j, vision_start=i - 1, fingerprint=0,
+                pixel_values=pixel_values[row : row + rows], rope_delta=used - (j - i),
+                grid=(t, h, w),
+            ))
+            row += rows
+        return spans
+
+    def _features(self, ids, todo, cached, vision):
+        """Positions of the stretch come from mlx-vlm's rope index of the
+        stretch alone, shifted to where it starts (M-RoPE positions are
+        shift-invariant), so the images before it need not be seen again."""
+        pixel_values = mx.concatenate([img.pixel_values for img in todo], axis=0)
+        grid = mx.array([img.grid for img in todo])
+        features = self.vlm.get_input_embeddings(ids, pixel_values, image_grid_thw=grid)
+        positions = features.position_ids + (cached + vision.delta_at(cached))
+        # Qwen3-VL adds vision features into early layers at the image
+        # positions ("deepstack"). Each chunk gets its own slice of them, so
+        # mlx-vlm never slices by cache offset (which assumes the mask starts
+        # at position 0, not where this stretch starts).
+        masks = getattr(features, "visual_pos_masks", None)
+        deepstack = getattr(features, "deepstack_visual_embeds", None)
+
+        def chunk_extra(i, j):
+            if masks is None or deepstack is None:
+                return {}
+            chunk = masks[:, i:j]
+            before, count = int(masks[:, :i].sum().item()), int(chunk.sum().item())
+            if not count:
+                return {}
+            return dict(visual_pos_masks=chunk, deepstack_visual_embeds=[
+                d[before : before + count] for d in deepstack])
+
+        return features.inputs_embeds, positions, chunk_extra
+
+
+class Gemma3Vision(VisionSupport):
+    """Gemma 3: each image is a run of mm_tokens_per_image soft tokens
+    (between <start_of_image> and <end_of_image>), one pixel_values row.
+    The template writes <start_of_image>."""
+
+    def __init__(self, vlm, processor, config: dict):
+        super().__init__(vlm, processor, config)
+        self.placeholder_id = config.get("boi_token_index", self.placeholder_id)
+
+    def _spans(self, tokens, inputs):
+        pixel_values = mx.array(inputs["pixel_values"])
+        runs = _runs(tokens, self.image_token_id)
+        if len(runs) != pixel_values.shape[0]:
+            raise ValueError("Gemma 3's pan and scan crops are not supported")
+        return [ImageSpan(start=i, end=j, vision_start=i, fingerprint=0,
+                          pixel_values=pixel_values[k : k + 1])
+                for k, (i, j) in enumerate(runs)]
+
+    def _features(self, ids, todo, cached, vision):
+        pixel_values = mx.concatenate([img.pixel_values for img in todo], axis=0)
+        features = self.vlm.get_input_embeddings(ids, pixel_values, mask=mx.ones(ids.shape))
+        # mlx-vlm's merge zeroes the embeddings of pad tokens (a client may
+        # write "<pad>" in its text). Text outside this stretch goes through
+        # the embedding table, so with pads zeroed here a prompt's answer
+        # would depend on where its cached prefix ends: pads stay tokens.
+        pad = getattr(self.vlm.config, "pad_token_id", None)
+        pad = 0 if pad is None else pad  # (as mlx-vlm's merge)
+        embeddings = mx.where((ids == pad)[..., None],
+                              self.vlm.language_model.model.embed_tokens(ids),
+                              features.inputs_embeds)
+        return embeddings, None, lambda i, j: {}
+
+
+class Idefics3Vision(VisionSupport):
+    """Idefics3 and SmolVLM: an image is split into tiles, each a run of
+    image tokens after its <row_r_col_c> marker, and ends with the whole
+    picture scaled down, the run after <global-img>. pixel_values holds one
+    row per tile."""
+
+    def __init__(self, vlm, processor, config: dict):
+        super().__init__(vlm, processor, config)
+        tag = getattr(processor, "global_image_tag", "<global-img>")
+        self.global_image_id = processor.tokenizer.convert_tokens_to_ids(tag)
+
+    def _spans(self, tokens, inputs):
+        pixel_values = mx.array(inputs["pixel_values"])  # (1, tiles, C, H, W)
+        tile_mask = inputs.get("pixel_attention_mask")
+        spans, first, tile = [], None, 0
+        for i, j in _runs(tokens, self.image_token_id):
+            first = i if first is None else first
+            if tokens[i - 1] != self.global_image_id:
+                continue
+            tiles = len(_runs(tokens[first:j], self.image_token_id))
+            extra = {}
+            if tile_mask is not None:
+                extra["pixel_attention_mask"] = mx.array(tile_mask)[:, tile : tile + tiles]
+            spans.append(ImageSpan(
+                start=first, end=j, vision_start=first, fingerprint=0,
+                pixel_values=pixel_values[:, tile : tile + tiles], extra=extra))
+            first, tile = None, tile + tiles
+        if tile != pixel_values.shape[1] or first is not None:
+            raise ValueError("The processor's image tokens do not match its tiles")
+        return spans
+
+    def _features(self, ids, todo, cached, vision):
+        pixel_values = mx.concatenate([img.pixel_values for img in todo], axis=1)
+        kwargs = {}
+        if all("pixel_attention_mask" in img.extra for img in todo):
+            kwargs["pixel_attention_mask"] = mx.concatenate(
+                [img.extra["pixel_attention_mask"] for img in todo], axis=1)
+        features = self.vlm.get_input_embeddings(ids, pixel_values, **kwargs)
+        return features.inputs_embeds, None, lambda i, j: {}
+
+
+def _support_class(model_type):
+    if model_type in MROPE_VISION_MODEL_TYPES:
+        return MRopeVision
+    return Gemma3Vision if model_type == "gemma3" else Idefics3Vision
+
+
 def load_vision_model(model_path: str):
-    """(TextModel, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
-    from mlx_lm.utils import load_tokenizer
+    """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
     from mlx_vlm import load as vlm_load
 
     # A local folder needs no hub; without this, mlx-vlm's processor loading
@@ -464,12 +670,41 @@ def load_vision_model(model_path: str):
     with _hub_offline():
         vlm, processor = vlm_load(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text())
-    tokenizer = load_tokenizer(Path(model_path))
-    if config["model_type"] in HYBRID_VISION_MODEL_TYPES:
+    model_type = config["model_type"]
+    tokenizer = load_vlm_tokenizer(model_path, config, processor)
+    if model_type in HYBRID_VISION_MODEL_TYPES:
         text_model = HybridTextModel(_mlx_lm_sharing_weights(model_path, vlm), vlm)
-    else:
+    elif model_type in MROPE_VISION_MODEL_TYPES:
         text_model = TextModel(vlm)
-    return text_model, tokenizer, VisionSupport(vlm, processor, config)
+    else:
+        text_model = PlainTextModel(vlm)
+    return text_model, tokenizer, _support_class(model_type)(vlm, processor, config)
+
+
+def load_vlm_tokenizer(model_path, config: dict, processor=None):
+    """mlx-lm's tokenizer for a vision-language folder, ending at the tokens
+    mlx_lm.load and mlx-vlm take from its configs: config.json, its
+    text_config and generation_config.json (Gemma 3 ends a turn with
+    <end_of_turn>, which its tokenizer alone does not call an end); with the
+    processor's chat template where the tokenizer has none (a template only
+    in chat_template.json, which mlx-vlm reads and mlx-lm does not)."""
+    from mlx_lm.utils import load_tokenizer
+
+    ends = []
+    generation = _read_json(Path(model_path) / "generation_config.json")
+    for cfg in (config, config.get("text_config") or {}, generation):
+        ids = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        for t in ids if isinstance(ids, list) else [ids]:
+            if isinstance(t, int) and not isinstance(t, bool) and t not in ends:
+                ends.append(t)
+    tokenizer = load_tokenizer(Path(model_path), eos_token_ids=ends or None)
+    if tokenizer.chat_template is None and processor is not None:
+        template = (getattr(processor, "chat_template", None)
+                    or getattr(getattr(processor, "tokenizer", None), "chat_template", None))
+        if isinstance(template, str):
+            tokenizer.chat_template = template
+            tokenizer.has_chat_template = True  # (worked out once, when it was made)
+    return tokenizer
 
 
 @contextlib.contextmanager

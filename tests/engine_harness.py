@@ -1,5 +1,6 @@
 """Run the engine in-process (no HTTP), for cache and batching tests."""
 
+import copy
 import queue
 import time
 
@@ -53,6 +54,9 @@ class EngineRunner:
         return lm
 
     def submit(self, body, path="/v1/chat/completions"):
+        # A copy, as a request parsed from its JSON: planning converts the
+        # messages in place, and tests send the same ones again.
+        body = copy.deepcopy(body)
         parsed = parse_request(path, {"max_tokens": 10, **body}, self.args)
         channel = Collect()
         self.engine.submit(channel, parsed.request, parsed.args)

@@ -20,7 +20,7 @@ Random models are made usable, and sensitive enough that "output with cache
 Building is deterministic (fixed seeds) and idempotent (a marker file).
 
 Vision-language kinds, for mlx-vlm: build_vision_fixture (VISION_KINDS, Qwen VL)
-and build_vlm_fixture (VLM_KINDS: Gemma 3, SmolVLM / Idefics3).
+and build_vlm_fixture (VLM_KINDS: Gemma 3, SmolVLM / Idefics3, Mistral 3).
 """
 
 import json
@@ -481,11 +481,12 @@ def build_vision_fixture(kind: str, root) -> Path:
 
 
 
-# -- Gemma 3 and SmolVLM (Idefics3) vision-language fixtures --
+# -- Gemma 3, SmolVLM (Idefics3) and Mistral 3 vision-language fixtures --
 
 # Built by build_vlm_fixture; kind -> mlx-vlm model_type.
-VLM_KINDS = {"gemma3_vl": "gemma3", "smolvlm": "smolvlm", "idefics3_vl": "idefics3"}
-VLM_VERSION = 1
+VLM_KINDS = {"gemma3_vl": "gemma3", "smolvlm": "smolvlm", "idefics3_vl": "idefics3",
+             "mistral3_vl": "mistral3"}
+VLM_VERSION = 2  # 2: the real templates' `type == 'image'`
 GEMMA3_SPECIAL_TOKENS = [  # <pad> first: id 0 is the config's pad_token_id
     "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
     "<start_of_image>", "<end_of_image>", "<image_soft_token>",
@@ -505,7 +506,7 @@ GEMMA3_CHAT_TEMPLATE = """\
 {{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}
 {%- if message.content is string %}{{- message.content | trim }}
 {%- elif message.content %}{%- for part in message.content %}
-{%- if part.type in ['image', 'image_url', 'input_image'] %}{{- '<start_of_image>' }}
+{%- if part.type == 'image' %}{{- '<start_of_image>' }}
 {%- elif part.type == 'text' %}{{- part.text | trim }}{%- endif %}
 {%- endfor %}{%- endif %}
 {{- '<end_of_turn>\\n' }}
@@ -524,14 +525,48 @@ IDEFICS3_CHAT_TEMPLATE = """\
 {{- message.role | capitalize }}
 {%- if message.content is string %}{{- ': ' + message.content }}
 {%- else %}
-{%- if message.content and message.content[0].type in ['image', 'image_url', 'input_image'] %}{{- ':' }}{%- else %}{{- ': ' }}{%- endif %}
+{%- if message.content and message.content[0].type == 'image' %}{{- ':' }}{%- else %}{{- ': ' }}{%- endif %}
 {%- for part in message.content or [] %}
-{%- if part.type in ['image', 'image_url', 'input_image'] %}{{- '<image>' }}
+{%- if part.type == 'image' %}{{- '<image>' }}
 {%- elif part.type == 'text' %}{{- part.text }}{%- endif %}
 {%- endfor %}{%- endif %}
 {{- '<end_of_utterance>\\n' }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}
+"""
+# Mistral Small 3.1's control tokens (Tekken: [IMG] rows end in [IMG_BREAK], the
+# image in [IMG_END]).
+MISTRAL3_SPECIAL_TOKENS = [
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]",
+    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<pad>",
+]
+# Mistral Small 3.1's template, without its default system prompt: an image
+# part is written [IMG] (the processor expands it to rows of [IMG] tokens).
+MISTRAL3_CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+{%- if messages[0].content is string %}{%- set system_message = messages[0].content %}
+{%- else %}{%- set system_message = messages[0].content[0].text %}{%- endif %}
+{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}
+{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- if message.role == 'user' %}
+{{- '[INST]' }}
+{%- if message.content is string %}{{- message.content }}
+{%- else %}{%- for part in message.content or [] %}
+{%- if part.type == 'image' %}{{- '[IMG]' }}
+{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '[/INST]' }}
+{%- elif message.role == 'system' %}
+{{- '[SYSTEM_PROMPT]' + (message.content if message.content is string else message.content[0].text) + '[/SYSTEM_PROMPT]' }}
+{%- elif message.role == 'assistant' %}
+{%- if message.content is string %}{{- message.content }}
+{%- else %}{%- for part in message.content or [] %}{%- if part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}
+{{- eos_token }}
+{%- endif %}
+{%- endfor %}
 """
 IMAGE_MEAN_STD = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
@@ -630,11 +665,50 @@ def _idefics3_files(out: Path, model_type: str) -> tuple:
     return config, [ids[t] for t in IDEFICS3_SPECIAL_TOKENS]
 
 
+def _mistral3_files(out: Path) -> tuple:
+    """Tokenizer, processor and model config of a tiny Mistral Small 3.1 (Pixtral
+    tower, mistral language model): images resized to fit 32 px (sides rounded
+    up to 16 px), 8 px patches (4x4 for 64 px images), merged 2x2 by the
+    projector: 2 rows of 2 [IMG] tokens, [IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]."""
+    ids = _train_tokenizer(out, MISTRAL3_SPECIAL_TOKENS)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": MISTRAL3_CHAT_TEMPLATE,
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "model_max_length": 32768}))
+    image, patch, merge = 32, 8, 2
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+        "patch_size": patch, "spatial_merge_size": merge}))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "do_resize": True, "size": {"longest_edge": image},
+        "patch_size": {"height": patch, "width": patch}, "resample": 3,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, **IMAGE_MEAN_STD}))
+    text = {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": ids["_vocab_size"],
+            "rope_theta": 10000.0, "max_position_embeddings": 32768,
+            "sliding_window": None, "tie_word_embeddings": False}
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16,
+              "patch_size": patch, "image_size": image, "num_channels": 3,
+              "rope_theta": 10000.0}
+    config = {"model_type": "mistral3", "text_config": text, "vision_config": vision,
+              "vocab_size": ids["_vocab_size"], "image_token_index": ids["[IMG]"],
+              "spatial_merge_size": merge, "vision_feature_layer": -1,
+              "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+              "tie_word_embeddings": False, "eos_token_id": [ids["</s>"]]}
+    return config, [ids[t] for t in MISTRAL3_SPECIAL_TOKENS]
+
+
 def build_vlm_fixture(kind: str, root) -> Path:
-    """A tiny random Gemma 3 (`gemma3_vl`) or SmolVLM (`smolvlm`: model_type
-    smolvlm, as SmolVLM2; `idefics3_vl`: model_type idefics3, as SmolVLM 1) folder
-    that mlx_vlm.load() takes offline, with the family's tokens, chat template,
-    processor and (PIL, torch-free) image processor configs."""
+    """A tiny random Gemma 3 (`gemma3_vl`), SmolVLM (`smolvlm`: model_type
+    smolvlm, as SmolVLM2; `idefics3_vl`: model_type idefics3, as SmolVLM 1) or
+    Mistral Small 3.1 (`mistral3_vl`) folder that mlx_vlm.load() takes offline,
+    with the family's tokens, chat template, processor and (PIL, torch-free)
+    image processor configs."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args
@@ -648,6 +722,8 @@ def build_vlm_fixture(kind: str, root) -> Path:
     model_type = VLM_KINDS[kind]
     if model_type == "gemma3":
         config, special = _gemma3_files(out)
+    elif model_type == "mistral3":
+        config, special = _mistral3_files(out)
     else:
         config, special = _idefics3_files(out, model_type)
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -1,6 +1,8 @@
-"""Vision-language models through mlx-vlm (tiny random qwen2_vl): images in
-the cache key by fingerprint, the vision tower skipped for cached images,
-image requests batched with text requests, all equal to cold runs."""
+"""Vision-language models through mlx-vlm (tiny random Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, Qwen3.5, Gemma 3, SmolVLM and Idefics3): images in the cache key by
+fingerprint, the vision tower skipped for cached images, image requests
+batched with text requests, all equal to cold runs and to mlx-vlm's own
+generation."""
 
 import base64
 import itertools
@@ -31,6 +33,14 @@ def user(*parts):
     return {"role": "user", "content": content}
 
 
+def hf_format(messages):
+    """The messages as a Hugging Face chat template takes images: parts of
+    type "image" (what mlx-vlm's own users render their prompts with)."""
+    return [{**m, "content": [{"type": "image"} if p.get("type") == "image_url" else p
+                              for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
 RED, BLUE, GREEN = png((200, 30, 30)), png((30, 30, 200)), png((30, 160, 40), size=(84, 56))
 
 
@@ -45,7 +55,7 @@ def noise(seed, size=(84, 84)):
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vl",
-                                               "qwen3_5_moe_vl"])
+                                        "qwen3_5_moe_vl", "gemma3_vl", "smolvlm", "idefics3_vl"])
 def kind(request):
     return request.param
 
@@ -79,8 +89,8 @@ def test_matches_mlx_vlm_generate(runner, fixture_path, kind, tmp_path):
     messages = [user(image_part(GREEN), "What is in this picture?")]
     path = tmp_path / "green.png"
     path.write_bytes(base64.b64decode(GREEN.partition(",")[2]))
-    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=False)
+    prompt = processor.tokenizer.apply_chat_template(hf_format(messages),
+                                                     add_generation_prompt=True, tokenize=False)
     reference = [r.token for r in stream_generate(model, processor, prompt, image=[str(path)],
                                                   max_tokens=12, temperature=0.0)][:12]
     tokens, _, _ = runner.run({"messages": messages, "max_tokens": 12})
@@ -117,8 +127,10 @@ def test_output_with_cache_equals_cold(runner, cold, kind, name):
                 # tokens the random model generated). A hybrid cache can't be
                 # cut back: its entry at the previous prompt's end holds all
                 # but the last token, which the batch computes with the
-                # first token of the reply.
-                assert cached >= previous_prompt - kind.startswith("qwen3_5")
+                # first token of the reply. Nor can Gemma 3's sliding-window
+                # layers once the conversation is longer than the window.
+                uncuttable = kind.startswith("qwen3_5") or kind == "gemma3_vl"
+                assert cached >= previous_prompt - uncuttable
 
 
 def test_same_image_hits_reencoded_hits_different_image_misses(runner, cold):
@@ -135,7 +147,7 @@ def test_same_image_hits_reencoded_hits_different_image_misses(runner, cold):
     vision = runner.loaded.processor
     tokens, plan_images = vision.prepare(
         runner.loaded.tokenizer.apply_chat_template(
-            [user(image_part(GREEN), "Name its colour.")], add_generation_prompt=True,
+            hf_format([user(image_part(GREEN), "Name its colour.")]), add_generation_prompt=True,
             tokenize=False), [GREEN])
     assert cached >= plan_images.images[0].end
 
@@ -174,9 +186,42 @@ def test_concurrent_image_and_text_requests_equal_sequential(runner, cold):
     assert together == alone
 
 
-def test_rope_deltas_match_mlx_vlm(runner):
+def test_ends_at_the_models_end_tokens(runner, kind):
+    """Every end token the model's configs name stops generation (Gemma 3's
+    <end_of_turn> is in config.json, not its tokenizer's eos)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(runner.loaded.model_key[0]) / "config.json").read_text())
+    ends = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    for end in ends if isinstance(ends, list) else [ends]:
+        tokens, _, _ = runner.run({"messages": [user(image_part(RED), "Stop.")],
+                                   "max_tokens": 6, "logit_bias": {str(end): 100}})
+        assert tokens in ([], [end]), (end, tokens)
+
+
+def test_gemma3_pad_tokens_are_plain_tokens(runner, cold, kind):
+    """A client's "<pad>" text gives the same answer warm and cold (mlx-vlm's
+    merge zeroes pads only in the stretch it embeds, which depends on the
+    cached prefix; here pads are tokens everywhere)."""
+    if kind != "gemma3_vl":
+        pytest.skip("Gemma 3's merge")
+    runner.engine.store.clear()
+    first = [user(image_part(RED), "Look <pad><pad> at it <pad>")]
+    both = first + [{"role": "assistant", "content": "A red <pad> one."},
+                    user(image_part(GREEN), "And <pad> this?")]
+    for messages in (first, both):
+        body = {"messages": messages, "max_tokens": 8}
+        assert runner.run(body)[0] == cold.run(body)[0]
+    assert runner.run({"messages": both, "max_tokens": 8})[2] > 0  # (warm: a cached prefix)
+
+
+def test_rope_deltas_match_mlx_vlm(runner, kind):
     """Our per-image M-RoPE delta is mlx-vlm's rope index delta."""
     import mlx.core as mx
+
+    if not kind.startswith("qwen"):
+        pytest.skip("no M-RoPE")
 
     vision = runner.loaded.processor
     text = runner.loaded.tokenizer.apply_chat_template(
@@ -300,7 +345,8 @@ def test_seeded_requests_take_the_sequential_path_with_the_same_cache(runner, co
     assert calls(runner) == before and cached > 0
 
 
-def test_image_prompt_checkpoints(fixture_path):
+@pytest.mark.parametrize("family", ["qwen3_5_vl", "gemma3_vl", "smolvlm"])
+def test_image_prompt_checkpoints(fixture_path, family):
     """Where an image prompt's plan puts its checkpoints: after the system
     prompt, at the end of each image, and at the start of the last user
     message, in the expanded (image tokens) positions."""
@@ -309,7 +355,7 @@ def test_image_prompt_checkpoints(fixture_path):
     from mlx_lm_plus.prompt import build_prompt
     from mlx_lm_plus.vision import load_vision_model
 
-    _, tokenizer, vision = load_vision_model(str(fixture_path("qwen3_5_vl")))
+    _, tokenizer, vision = load_vision_model(str(fixture_path(family)))
     system = {"role": "system", "content": "You describe pictures."}
     messages = [system, user(image_part(noise(1)), "Describe it."),
                 {"role": "assistant", "content": "It is noisy."},
@@ -320,11 +366,65 @@ def test_image_prompt_checkpoints(fixture_path):
     assert first.end - first.start > 1 and second.end - second.start > 1
     ends = list(itertools.accumulate(len(s) for s in plan.segments[:-1]))
     # Both user messages start with their image: their content starts at
-    # its <|vision_start|>.
-    assert ends == [first.vision_start, first.end, second.vision_start, second.end]
+    # its <|vision_start|> (Qwen), or at the markup the processor writes
+    # before the image's tokens (Gemma 3: a blank line and <start_of_image>;
+    # Idefics3: the first tile's markers).
+    system_end = len(tokenizer.apply_chat_template([system], tokenize=True))
+    assert ends[1::2] == [first.end, second.end]
+    if family.startswith("qwen"):
+        assert ends[::2] == [first.vision_start, second.vision_start]
+    assert system_end < ends[0] <= first.vision_start
+    assert first.end < ends[2] <= second.vision_start
+    # Each user message's content starts where the processor's markup for
+    # its image does: the same few tokens before both images (the first
+    # found without moving past an image, the second moved past the first
+    # image's expansion: an off-by-one there makes them differ).
+    t = plan.tokens
+    assert 1 <= len(t[ends[0]:first.start]) <= 3
+    assert t[ends[0]:first.start] == t[ends[2]:second.start]
+    assert t[ends[0] - 1] == t[ends[2] - 1]  # (the newline ending a turn header)
     assert plan.segment_types[0] == "system"
-    assert first.vision_start > len(tokenizer.apply_chat_template([system], tokenize=True))
     assert sum(plan.segments, []) == plan.tokens
+
+
+def test_image_prompt_checkpoints_when_newlines_merge(fixture_path, tmp_path):
+    """Gemma 3's real tokenizer merges runs of newlines, so the blank lines
+    its processor writes around an image tokenize together with the
+    template's. The message boundaries are still found (next to that
+    whitespace), as many as with the fixture's tokenizer, none in an image."""
+    import json
+    import shutil
+
+    from mlx_lm.server import CompletionRequest
+
+    from mlx_lm_plus.prompt import build_prompt
+    from mlx_lm_plus.vision import load_vision_model
+
+    merged = tmp_path / "gemma3_vl"
+    shutil.copytree(fixture_path("gemma3_vl"), merged)
+    spec = json.loads((merged / "tokenizer.json").read_text())
+    vocab, n = spec["model"]["vocab"], len(spec["model"]["vocab"])
+    for i, run in enumerate(("ĊĊ", "ĊĊĊ", "ĊĊĊĊ")):
+        vocab[run] = n + i  # (planning only: never through the model)
+    spec["model"]["merges"] += [["Ċ", "Ċ"], ["ĊĊ", "ĊĊ"], ["ĊĊ", "Ċ"]]
+    (merged / "tokenizer.json").write_text(json.dumps(spec))
+
+    messages = [{"role": "system", "content": "You are careful."},
+                user(image_part(GREEN), "What is this?"),
+                {"role": "assistant", "content": "A green square."},
+                user("And this?", image_part(RED), "Compare.")]
+    plans = []
+    for path in (fixture_path("gemma3_vl"), merged):
+        _, tokenizer, vision = load_vision_model(str(path))
+        request = CompletionRequest("chat", "", json.loads(json.dumps(messages)), None, None)
+        plans.append(build_prompt(tokenizer, vision, request, {}))
+    plain, merged_plan = plans
+    assert any(t >= n for t in merged_plan.tokens)  # (newlines did merge)
+    assert merged_plan.segment_types == plain.segment_types
+    assert "system" in merged_plan.segment_types and len(merged_plan.segments) == 5
+    ends = list(itertools.accumulate(len(s) for s in merged_plan.segments[:-1]))
+    assert all(merged_plan.vision.safe_prefix(e) == e for e in ends)
+    assert sum(merged_plan.segments, []) == merged_plan.tokens
 
 
 def test_decode_image_scales_down_to_the_processor_limit():
@@ -418,21 +518,40 @@ def test_vision_load_leaves_the_hub_setting_as_it_was(fixture_path, monkeypatch)
     assert "HF_HUB_OFFLINE" not in os.environ and hub.HF_HUB_OFFLINE is False
 
 
-def test_image_scaling_is_known_before_the_model_loads(fixture_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm", "gemma3_vl"])
+def test_image_scaling_is_known_before_the_model_loads(fixture_path, family):
     """Images decoded before the generation thread has loaded the model are
     scaled (and so fingerprinted) as later ones: the limit comes from the
-    model folder, and equals the loaded processor's."""
+    model folder, and equals the loaded processor's (Qwen's pixel limit;
+    none for families whose processors resize to an edge or a square)."""
     from mlx_lm.server import ModelDescription
 
     from mlx_lm_plus.engine import Engine
     from mlx_lm_plus.models import ModelProvider
     from mlx_lm_plus.server import parse_args
 
-    path = fixture_path("qwen2_vl")
+    path = fixture_path(family)
     provider = ModelProvider(parse_args(["--model", str(path)]))
     engine = Engine(provider, store=None)
     default = ModelDescription("default_model", "default_model", None)
     before = engine.image_max_pixels(default)
-    assert before is not None and engine.serves_vision(default)
+    assert (before is not None) == family.startswith("qwen") and engine.serves_vision(default)
     provider.add(provider.load(provider.default_key))
     assert engine.image_max_pixels(default) == before
+
+
+def test_kv_bits_leaves_vision_layers_as_they_are(fixture_path):
+    """--kv-bits on Gemma 3 (sliding-window layers mlx-lm can't quantize:
+    every request was a 500) and SmolVLM: answered, unquantized, as without
+    it."""
+    for family in ("gemma3_vl", "smolvlm"):
+        quantized = EngineRunner(fixture_path(family),
+                                 argv=["--kv-bits", "4", "--quantized-kv-start", "0"])
+        plain = EngineRunner(fixture_path(family), max_bytes=0)
+        try:
+            for body in ({"messages": [user(image_part(RED), "What is it?")], "max_tokens": 6},
+                         {"messages": [user("Only text.")], "max_tokens": 6}):
+                assert quantized.run(body)[0] == plain.run(body)[0]
+        finally:
+            quantized.close()
+            plain.close()

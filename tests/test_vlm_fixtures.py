@@ -1,5 +1,6 @@
-"""The Gemma 3 and SmolVLM/Idefics3 fixtures load offline in mlx-vlm and its own
-generation sees the image: greedy output depends on the image, and is repeatable."""
+"""The Gemma 3, SmolVLM/Idefics3 and Mistral 3 fixtures load offline in mlx-vlm and
+its own generation sees the image: greedy output depends on the image, and is
+repeatable."""
 
 import json
 
@@ -8,8 +9,9 @@ from PIL import Image
 
 from tests.fixtures import VLM_KINDS
 
-# Image tokens one 64x64 image becomes (see _gemma3_files / _idefics3_files).
-IMAGE_TOKENS = {"gemma3_vl": 4, "smolvlm": 20, "idefics3_vl": 20}
+# Image tokens one 64x64 image becomes (see _gemma3_files / _idefics3_files /
+# _mistral3_files; Mistral 3's [IMG_BREAK] and [IMG_END] are not counted).
+IMAGE_TOKENS = {"gemma3_vl": 4, "smolvlm": 20, "idefics3_vl": 20, "mistral3_vl": 4}
 
 
 @pytest.fixture(scope="module", params=sorted(VLM_KINDS))
