@@ -302,44 +302,35 @@ class LoadedModel(UpstreamModelProvider):
         return min(sizes) if sizes else None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        """Vision-language models (vision.VISION_MODEL_TYPES) through mlx-vlm;
+        """Vision-language models through mlx-vlm (`image_path`: batched by
+        vision.py, or sequential through mlx-vlm's own generation);
         everything else as upstream's ModelProvider._load (0.32.2) does, but
         for its first step: dropping the model it held and a gc.collect(),
         which holds the GIL for ~50 ms (a stall of every model generating
         meanwhile on the generation thread) and has nothing to free here."""
         plain = adapter_path is None and draft_model_path is None and not self.is_distributed
         path = image_path(model_path, getattr(self, "sequential_vision", False)) if plain else None
-        if path == "sequential":
-            return self._load_mlx_vlm(model_path)
         if path is None:
             return self._load_text(model_path, adapter_path, draft_model_path)
-        model, tokenizer, vision = load_vision_model(model_path)
-        if self.cli_args.chat_template:
-            tokenizer.chat_template = self.cli_args.chat_template
-        self.model_key = (model_path, adapter_path, draft_model_path)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.processor = vision
-        self.draft_model = None
-        self.is_batchable = True
-        logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
-                     "image requests batch with text requests")
-
-    def _load_mlx_vlm(self, model_path):
-        model, tokenizer, generation = load_mlx_vlm_model(model_path)
+        load = load_vision_model if path == "batched" else load_mlx_vlm_model
+        model, tokenizer, processor = load(model_path)
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         self.model_key = (model_path, None, None)
         self.model = model
         self.tokenizer = tokenizer
-        self.processor = generation
+        self.processor = processor
         self.draft_model = None
-        self.is_batchable = False
-        logging.info(
-            f"Loaded {model_path} as a vision-language model ({generation.model_type}) served "
-            "through mlx-vlm's own generation: one request at a time, without the prompt "
-            "cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, "
-            "Idefics3, SmolVLM)")
+        self.is_batchable = path == "batched"
+        if path == "batched":
+            logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
+                         "image requests batch with text requests")
+        else:
+            logging.info(
+                f"Loaded {model_path} as a vision-language model ({processor.model_type}) "
+                "served through mlx-vlm's own generation: one request at a time, without "
+                "the prompt cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
+                "Gemma 3, Idefics3, SmolVLM)")
 
     def _load_text(self, model_path, adapter_path, draft_model_path):
         if self.is_distributed and (adapter_path is not None

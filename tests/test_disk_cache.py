@@ -34,7 +34,7 @@ from mlx_lm.models.cache import (
 
 from mlx_lm_plus import disk_cache
 from mlx_lm_plus.disk_cache import DiskTier, model_identity
-from mlx_lm_plus.vision import MRopeKVCache
+from mlx_lm_plus.vision import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,8 +59,8 @@ def arrays_cache(seed=0):
     return c
 
 
-def rotating(seed=0):
-    c = RotatingKVCache(max_size=8, keep=2)
+def rotating(seed=0, cls=RotatingKVCache):
+    c = cls(max_size=8, keep=2)
     mx.random.seed(seed)
     c.update_and_fetch(mx.random.normal((1, 2, 6, 8)), mx.random.normal((1, 2, 6, 8)))
     for _ in range(5):  # past max_size: rotated in place
@@ -140,7 +140,8 @@ def test_round_trip_every_cache_class(tier_dir):
     chunked = ChunkedKVCache(chunk_size=16)
     chunked.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.zeros((1, 2, 5, 8)))
     cache = [kv(5), kv(5, mx.float32), mrope(), arrays_cache(), rotating(), quantized(),
-             CacheList(kv(5, seed=4), arrays_cache(seed=5)), chunked]
+             CacheList(kv(5, seed=4), arrays_cache(seed=5)), chunked,
+             kv(3, cls=PlainKVCache, seed=6), rotating(seed=7, cls=PlainRotatingKVCache)]
     before = flat(cache)
     key = [5, -(1 << 62), 7, 1, 2]  # an image fingerprint among the tokens
     t = make_tier(tier_dir)
@@ -150,6 +151,7 @@ def test_round_trip_every_cache_class(tier_dir):
     back = t.load(handle)
     assert flat(back) == before
     assert back[2].rope_delta == -17 and isinstance(back[2], MRopeKVCache)
+    assert [type(c) for c in back[-2:]] == [PlainKVCache, PlainRotatingKVCache]
     grown = quantized(grown=True)  # its buffers: tuples (mx.quantize: lists)
     stored(t, [3, 3], [grown])
     assert isinstance(t.load(t.find([3, 3, 3])[1])[0].keys, tuple)
