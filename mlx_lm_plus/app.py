@@ -14,7 +14,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from .anthropic_api import AnthropicProtocol
 from .api import RUNNER_OPTIONS, Server, make_app
 from .cache import PromptStore, default_budget
-from .engine import Engine
+from .engine import HANG_EXIT_STATUS, Engine
 from .metrics import Metrics
 from .models import ModelProvider, resolve_default_model
 from .responses_api import ResponsesProtocol
@@ -85,6 +85,8 @@ def run(cli_args):
     if mx.distributed.init().rank() != 0:
         # Other ranks only compute; rank 0 reads the HTTP requests.
         engine.join()
+        if engine.hung:  # (the group is down: this rank exits as rank 0 does)
+            engine.exit_process(HANG_EXIT_STATUS)
         return
 
     async def main():

@@ -40,11 +40,13 @@ import copy
 import gc
 import itertools
 import logging
+import math
 import os
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, Queue
+import threading
 from threading import Thread
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
@@ -211,6 +213,20 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("malloc]" in text or "Unable to allocate" in text)
 
 
+def is_group_lost(error: BaseException) -> bool:
+    """A collective of mx.distributed failed: a rank died or its link went
+    ("[ring] connection to a peer was lost", and the other backends' own)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        tag in text for tag in ("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
+
+
+def group_lost_error(error: BaseException) -> "EngineUnavailable":
+    """What a request held when the group was lost gets (a 503)."""
+    return EngineUnavailable(
+        f"Generation engine unavailable: a rank of the distributed group was lost: {error}")
+
+
 def request_error(error: Exception, what: str) -> Exception:
     """The error a request's client gets for `error`, raised while doing `what`:
     errors of ours as they are, an allocation failure as OutOfMemory, anything
@@ -282,6 +298,8 @@ class Engine:
         # restart.
         self._busy: Optional[tuple] = None
         self._admitting = None  # the channel of the request being admitted
+        self._handing_off = None  # the channel of the request shared with the ranks
+        self._shutting_down = threading.Lock()
         self._planning_since: Optional[float] = None  # Engine.plan running since
         self.hung = False
         self.exit_process = os._exit
@@ -295,7 +313,7 @@ class Engine:
         # (idempotent; each checks it matches the installed mlx-lm).
         _apply_patches()
         self._thread.start()
-        if getattr(self.cli_args, "step_timeout", 0):
+        if self._watch_limit() < math.inf:
             Thread(target=self._watchdog, name="mlx_lm_plus-watchdog", daemon=True).start()
 
     # -- watchdog --
@@ -307,8 +325,18 @@ class Engine:
     def _idle(self):
         self._busy = None
 
+    def _watch_limit(self) -> float:
+        """Seconds a unit of work may take: --step-timeout, and under
+        mx.distributed at most --distributed-timeout, since a rank that is
+        gone (its host down, its link cut) shows as a collective that never
+        returns, between requests too (the hand-off every loop turn)."""
+        limits = [getattr(self.cli_args, "step_timeout", 0) or math.inf]
+        if self._is_distributed:
+            limits.append(getattr(self.cli_args, "distributed_timeout", 0) or math.inf)
+        return min(limits)
+
     def _watchdog(self):
-        limit = self.cli_args.step_timeout
+        limit = self._watch_limit()
         while not self._stop:
             time.sleep(min(1.0, limit / 4))
             busy = self._busy
@@ -323,12 +351,22 @@ class Engine:
 
     def _on_hang(self, what: str, seconds: float):
         """The generation thread is stuck: say so, answer everyone, exit."""
+        flag = ("--distributed-timeout" if self._watch_limit() != self.cli_args.step_timeout
+                else "--step-timeout")
+        self._shut_down(f"generation stuck: {what} has run for {seconds:.0f} s ({flag} "
+                        f"{self._watch_limit():g})")
+
+    def _shut_down(self, reason: str):
+        """The engine can't go on: /health says why, every request held or
+        queued gets a 503 with the reason, and after --watchdog-grace seconds
+        the process exits (status 70) for a supervisor to restart it (under
+        mx.distributed: the whole group, every rank exits so)."""
         grace = getattr(self.cli_args, "watchdog_grace", 5.0)
-        self.hung = True
-        self.unhealthy_reason = (
-            f"generation stuck: {what} has run for {seconds:.0f} s (--step-timeout "
-            f"{self.cli_args.step_timeout:g}); the process exits in {grace:g} s"
-        )
+        with self._shutting_down:  # (the watchdog and the generation thread)
+            if self.hung:
+                return
+            self.hung = True
+        self.unhealthy_reason = f"{reason}; the process exits in {grace:g} s"
         logging.critical(f"Watchdog: {self.unhealthy_reason}")
         error = self._unavailable()
         held = []
@@ -337,7 +375,8 @@ class Engine:
                 held += [r["channel"] for r in list(batch.results.values())]
                 held += [r[0] for r in batch.held_back()]
             held += [r[0] for r in list(self._pending)]
-            held += [c for c in (self._current, self._admitting) if c is not None]
+            held += [c for c in (self._current, self._admitting, self._handing_off)
+                     if c is not None]
         except Exception:  # the stuck thread changed them under us: best effort
             logging.exception("Watchdog: could not list every held request")
         for channel in held:
@@ -374,6 +413,14 @@ class Engine:
                 self._idle()  # nothing runs now: not a stuck step
                 if self.hung:
                     return  # the watchdog answers everyone and ends the process
+                if self._is_distributed:
+                    # Every rank must take the same steps: a loop restarted
+                    # on this rank alone would wait on the others forever.
+                    what = ("a rank of the distributed group was lost" if is_group_lost(e)
+                            else "the generation loop failed under mx.distributed")
+                    logging.exception(f"mlx_lm_plus: {what}: {e!r}")
+                    self._shut_down(f"{what}: {e}")
+                    return
                 logging.exception(f"mlx_lm_plus generation thread died: {e!r}")
                 self.unhealthy_reason = f"generation thread died: {e!r}"
                 self._fail_held(EngineUnavailable(f"generation engine failed: {e!r}"))
@@ -552,10 +599,26 @@ class Engine:
                 pass
         if not self._is_distributed:
             return request
+        if request is not None:
+            try:  # (before any collective: a request that can't be sent is its own error)
+                pickle.dumps(request[1:])
+            except Exception as e:
+                request[0].put(InternalError(f"Could not hand the request to the other "
+                                             f"ranks: {e!r}"))
+                request = None
         # A collective: it waits for every rank (a dead one hangs it).
         self._beat("sharing requests with the other ranks")
-        # The channel stays on rank 0; the other ranks get a sink.
-        shared = self.share_object(request[1:] if request is not None else None)
+        # Held here while it is handed off, so a lost group answers it.
+        self._handing_off = request[0] if request is not None else None
+        try:
+            # The channel stays on rank 0; the other ranks get a sink.
+            shared = self.share_object(request[1:] if request is not None else None)
+        except Exception as e:
+            if request is not None:
+                request[0].put(group_lost_error(e))
+            raise
+        finally:
+            self._handing_off = None
         if shared is None:
             return None
         channel = request[0] if request is not None else Channel()
@@ -886,6 +949,9 @@ class Engine:
                 try:
                     self._admit(request, stream)
                 except Exception as e:
+                    if self._is_distributed and is_group_lost(e):
+                        request[0].put(group_lost_error(e))  # (no longer held below)
+                        raise  # (the whole group is down: _run ends it)
                     # Whatever slipped past validation fails this request
                     # only, and it is answered.
                     logging.exception("Could not admit a request")
@@ -988,6 +1054,9 @@ class Engine:
         try:
             return self._find_readiness(request)
         except Exception as e:  # (what slipped past validation: this request's)
+            if self._is_distributed and is_group_lost(e):
+                request[0].put(group_lost_error(e))
+                raise  # (the whole group is down: _run ends it)
             logging.exception("Could not place a request")
             return request_error(e, "admitting the request")
 
@@ -1047,6 +1116,8 @@ class Engine:
             try:
                 lm = self.model_provider.load(key)
             except Exception as e:
+                if is_group_lost(e):
+                    raise  # (sharded loads end with a collective)
                 logging.exception("Model load failed")
                 return ModelLoadError(str(e))
             self._loaded(lm)
@@ -1243,6 +1314,8 @@ class Engine:
                 logging.info("Stopped the image prefill of a cancelled request")
                 return None
             except Exception as e:
+                if self._is_distributed and is_group_lost(e):
+                    raise  # (the admission guard answers it; _run ends the group)
                 logging.exception("Image prefill failed")
                 if is_out_of_memory(e):
                     raise  # the admission guard answers 503
@@ -1366,6 +1439,8 @@ class Engine:
                 "the disconnect"
             )
         except Exception as e:
+            if self._is_distributed and is_group_lost(e):
+                raise  # (the admission guard answers it; _run ends the group)
             logging.exception("Sequential generation failed")
             error = request_error(e, "generating")
             if isinstance(error, OutOfMemory):
@@ -1610,6 +1685,8 @@ class _Batch:
             self._remove_stopped()
             return self._step()
         except Exception as e:
+            if self.engine._is_distributed and is_group_lost(e):
+                raise  # (the whole group is down: Engine._run ends it)
             self._flush()  # what the step produced comes before the error
             self._fail_all(e)
             return False

@@ -32,6 +32,7 @@ OUR_FLAGS = (
     "--disable-metrics",
     "--allow-private-image-hosts",
     "--step-timeout",
+    "--distributed-timeout",
     "--watchdog-grace",
     "--max-request-image-pixels",
     "--strip-billing-header",
@@ -388,6 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
         "checked before decoding (default: 100,000,000)",
     )
     parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=300.0,
+        help="(mlx_lm_plus) Under mx.distributed, the most seconds any step may "
+        "take (and the request hand-off between ranks, every loop turn): a rank "
+        "whose host died or whose link was cut shows as a collective that never "
+        "returns; past it the server answers 503, /health says why, and every rank "
+        "exits with status 70. Keep it above the longest step: a batch's prefill of "
+        "--prompt-concurrency x --prefill-step-size tokens (default: 300; 0: "
+        "--step-timeout alone)",
+    )
+    parser.add_argument(
         "--step-timeout",
         type=float,
         default=900.0,
@@ -477,8 +490,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # works on both shapes. Normalise to a list for our own code.
     if isinstance(args.allowed_origins, str):
         args.allowed_origins = args.allowed_origins.split(",")
-    if args.step_timeout < 0 or args.watchdog_grace < 0:
-        parser.error("--step-timeout and --watchdog-grace must be at least 0")
+    if args.step_timeout < 0 or args.watchdog_grace < 0 or args.distributed_timeout < 0:
+        parser.error("--step-timeout, --distributed-timeout and --watchdog-grace must be "
+                     "at least 0")
     if args.prompt_cache_bits is not None and args.kv_group_size not in (32, 64, 128):
         parser.error("--prompt-cache-bits needs a --kv-group-size of 32, 64 or 128")
     if args.kv_bits is not None:
