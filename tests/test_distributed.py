@@ -32,10 +32,36 @@ def answers(server):
     return out
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive loopback ports free now (mlx.launch gives
+    rank i the port --starting-port + i; one taken, or in TIME_WAIT from an
+    earlier server, and the ring can't bind)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        try:
+            held = []
+            for port in range(first, first + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no consecutive free ports")
+
+
 def ring(program, model, port, log):
-    # mlx.launch picks the ring ports from --starting-port; keep runs apart.
     return ServerProcess(
-        [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(port + 100), "--",
+        [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), "--",
          program, "--model", str(model)],
         [], log=log, port=port, startup_timeout=180,
     )
