@@ -142,3 +142,17 @@ def test_a_lost_host_ends_the_group(fixture_path, tmp_path, failure, path):
             assert codes[0] == 70, (codes, server.log(0)[-2000:])
             if failure == "link cut":
                 assert codes[1] == 70, (codes, server.log(1)[-2000:])
+
+
+def test_hosts_benchmark_runs(fixture_path, capsys):
+    """python -m benchmarks.hosts, one short round: both setups measured."""
+    import ast
+
+    from benchmarks.hosts import main
+
+    main(["--model", str(fixture_path("qwen3")), "--rounds", "1", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    for clients in ("1 client(s)", "8 client(s)"):
+        line = next(x for x in out.splitlines() if x.startswith(f"{clients}: tokens/s"))
+        figures = ast.literal_eval(line.split("  ", 1)[1])  # (print_figures: the dict)
+        assert figures["one process"] > 0 and figures["two ranks"] > 0
