@@ -97,24 +97,21 @@ def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
     elif name == "admission":
         extra = ["--prefill-step-size", str(ADMISSION_STEP)]
     server = ServerProcess(command, ["--model", model, *extra], log=log)
-    try:
-        server.start()
-    except (TimeoutError, RuntimeError, OSError):  # (upstream can't load SmolVLM, say)
-        server.stop()
-        return {"error": f"the server did not start (its log: {log})"}
-    except BaseException:  # (^C: its own session, so it would outlive us)
-        server.stop()
-        raise
 
     async def drive():
         async with session() as http:
             run = Run(server.url, tokenizer, http, args.max_tokens, args.smoke, bare)
             return await WORKLOADS[name](run)
 
-    try:
-        return asyncio.run(drive())
-    except RuntimeError as e:  # the server refused the workload's requests
-        return {"error": str(e)[:120]}
+    try:  # (stopped whatever happens, ^C too: its own session would outlive us)
+        try:
+            server.start()
+        except (TimeoutError, RuntimeError, OSError):  # (upstream can't load SmolVLM)
+            return {"error": f"the server did not start (its log: {log})"}
+        try:
+            return asyncio.run(drive())
+        except RuntimeError as e:  # the server refused the workload's requests
+            return {"error": str(e)[:120]}
     finally:
         server.stop()
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from benchmarks.harness import (Client, add_model_args, fixture_or_model, median,
-                                print_figures, session)
+from benchmarks.__main__ import resolve_model
+from benchmarks.harness import Client, add_model_args, median, print_figures, session
 from compat.launch import OURS, ServerProcess
 from tests import netns
 
@@ -65,10 +65,7 @@ def main(argv=None):
     if reason:
         raise SystemExit(f"can't simulate hosts here: {reason}")
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-hosts-"))
-    from benchmarks.__main__ import KINDS
-
-    args.model_kind = KINDS.get(args.model_kind, args.model_kind)
-    model = fixture_or_model(args, work / "fixtures")
+    model = resolve_model(args, work)
     tokenizer = load_tokenizer(Path(model))
     runs = {"one process": [], "two ranks": []}
     with netns.Hosts(2) as hosts:

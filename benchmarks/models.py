@@ -19,9 +19,7 @@ the stall figures then show.
 
 import argparse
 import asyncio
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
@@ -101,7 +99,7 @@ async def switching(url, tokenizer, a, b, rounds):
             t = await ttft(client, http, (a, b)[i % 2], 1000 + i)
             if i >= 2:  # (both seen once)
                 times.append(t)
-    return statistics.median(times)
+    return median(times)
 
 
 def main(argv=None):

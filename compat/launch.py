@@ -45,13 +45,17 @@ class ServerProcess:
             self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
             start_new_session=True,
         )
+        return self.wait_healthy()
+
+    def wait_healthy(self):
+        """Poll /health until it answers 200. A process that exits
+        (`exited`) or the deadline stops the server and raises."""
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}: {' '.join(self.command)}"
-                    + (f"\n{self.log_tail()}" if self.log_path else "")
-                )
+            exited = self.exited()
+            if exited:
+                self.stop()
+                raise RuntimeError(exited)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -60,7 +64,17 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"server did not become healthy: {' '.join(self.command)}")
+        raise TimeoutError(self.not_healthy())
+
+    def exited(self) -> Optional[str]:
+        """Why the server can't come up now (its process exited), or None."""
+        if self.proc.poll() is None:
+            return None
+        return (f"server exited with {self.proc.returncode}: {' '.join(self.command)}"
+                + (f"\n{self.log_tail()}" if self.log_path else ""))
+
+    def not_healthy(self) -> str:
+        return f"server did not become healthy: {' '.join(self.command)}"
 
     def log_tail(self, n=4000) -> str:
         try:

@@ -371,12 +371,7 @@ class Engine:
         error = self._unavailable()
         held = []
         try:
-            for batch in list(self._batches.values()):
-                held += [r["channel"] for r in list(batch.results.values())]
-                held += [r[0] for r in batch.held_back()]
-            held += [r[0] for r in list(self._pending)]
-            held += [c for c in (self._current, self._admitting, self._handing_off)
-                     if c is not None]
+            held = self._held_channels()
         except Exception:  # the stuck thread changed them under us: best effort
             logging.exception("Watchdog: could not list every held request")
         for channel in held:
@@ -439,18 +434,25 @@ class Engine:
                 logging.warning(f"Restarting the generation loop (restart {self.restarts})")
                 self.unhealthy_reason = None
 
+    def _held_channels(self) -> List[Channel]:
+        """The channel of every request the generation thread has taken."""
+        held = []
+        for batch in list(self._batches.values()):
+            held += [r["channel"] for r in list(batch.results.values())]
+            held += [r[0] for r in batch.held_back()]
+        held += [r[0] for r in list(self._pending)]
+        held += [c for c in (self._current, self._admitting, self._handing_off)
+                 if c is not None]
+        return held
+
     def _fail_held(self, error: Exception):
         """Answer every request the generation thread had taken with `error`."""
-        held = []
+        held = self._held_channels()
         for batch in self._batches.values():
-            held += [r["channel"] for r in batch.results.values()]
-            held += [r[0] for r in batch.held_back()]
             try:
                 batch.close()
             except Exception:
                 pass
-        held += [request[0] for request in self._pending]
-        held += [c for c in (self._current, self._admitting) if c is not None]
         self._batches, self._pending, self._current, self._admitting = {}, [], None, None
         for channel in held:
             channel.put(error)
@@ -738,16 +740,18 @@ class Engine:
         # Image requests batch on models served through mlx-vlm (vision.py);
         # on mlx-lm's own vision models they are served sequentially, as
         # upstream does.
-        has_images = request.request_type == "chat" and any(_image_parts(request.messages))
         # --kv-bits batches through quantized_batch.py where every layer
-        # upstream would quantize is a plain KVCache.
+        # upstream would quantize is a plain KVCache. (The messages are
+        # scanned for images last: this runs every loop turn for requests
+        # set aside.)
         return (
             lm.is_batchable
             and args.seed is None
             and (self.cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching",
                                     lambda: supports_quantized_batching(lm.model)))
-            and (not has_images or _vision(lm) is not None)
+            and (_vision(lm) is not None or not (
+                request.request_type == "chat" and any(_image_parts(request.messages))))
         )
 
     def serves_vision(self, model) -> bool:
@@ -1143,8 +1147,10 @@ class Engine:
 
     def _fail_pending(self, key, error):
         """Answer the requests set aside for model `key` with `error`."""
-        failed = [r for r in self._pending if self._key_of(r) == key]
-        self._pending = [r for r in self._pending if r not in failed]
+        kept, failed = [], []
+        for r in self._pending:
+            (failed if self._key_of(r) == key else kept).append(r)
+        self._pending = kept
         for request in failed:
             request[0].put(error)
 
@@ -1361,7 +1367,6 @@ class Engine:
             tokenizer, draft_model = lm.tokenizer, lm.draft_model
             planned = self._plan(lm, request, args)
             plan, constraint = planned.plan, planned.constraint
-            segments = self._split(plan, self._shared_depth(lm, plan))
             ctx, stop_sequences = self._context(lm, plan, args)
             if args.seed is not None:
                 mx.random.seed(args.seed)
@@ -1377,13 +1382,13 @@ class Engine:
                 logits_processors.append(constraint)
 
             cache_key = plan.cache_key
-            if isinstance(lm.processor, MlxVlmGeneration):
+            through_mlx_vlm = isinstance(lm.processor, MlxVlmGeneration)
+            if through_mlx_vlm:
                 cache, generation = self._mlx_vlm_generation(
                     lm, channel, plan, ctx, args, sampler, logits_processors)
             else:
                 cache, generation = self._mlx_lm_generation(
-                    lm, channel, plan, segments, ctx, args, stream, sampler,
-                    logits_processors)
+                    lm, channel, plan, ctx, args, stream, sampler, logits_processors)
 
             stop_matcher = stop_sequences.matcher()
             seconds = self.thread_seconds
@@ -1424,7 +1429,7 @@ class Engine:
                 channel.removed()
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
-            if not isinstance(lm.processor, MlxVlmGeneration):
+            if not through_mlx_vlm:  # (nothing of that path is stored)
                 self._store(lm, cache_key, cache, "generated", reply_start=len(plan.tokens))
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
@@ -1448,12 +1453,13 @@ class Engine:
                 self.relieve_memory()
             channel.put(error)
 
-    def _mlx_lm_generation(self, lm, channel, plan, segments, ctx, args, stream, sampler,
+    def _mlx_lm_generation(self, lm, channel, plan, ctx, args, stream, sampler,
                            logits_processors):
         """(cache, responses) of the sequential path on mlx-lm's generation:
         the cached prefix, the images and checkpoints prefilled here, the
         rest in stream_generate."""
         model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
+        segments = self._split(plan, self._shared_depth(lm, plan))
         vision_support = _vision(lm)
         cache, ctx.prompt_cache_count = self._fetch_cache(lm, plan.cache_key)
         covered = ctx.prompt_cache_count
@@ -1517,7 +1523,7 @@ class Engine:
         cache = lm.processor.make_cache()
         pairs = lm.processor.generate(
             plan.tokens, plan.vision, cache, sampler,
-            [_with_prompt(p, plan.tokens) for p in logits_processors],
+            [_with_prompt(logits_processors, plan.tokens)] if logits_processors else [],
             args.max_tokens, self.cli_args.prefill_step_size,
             progress=self._prefill_progress(channel, cache), kv_bits=self.cli_args.kv_bits,
             kv_group_size=self.cli_args.kv_group_size,
@@ -1550,17 +1556,20 @@ class Engine:
         return segments[-1]
 
 
-def _with_prompt(processor, prompt: List[int]):
-    """A logits processor given the whole context, where mlx-vlm's
-    generate_step passes only the prompt's tail it fed last (the same tail
-    at every step) and the tokens generated since."""
+def _with_prompt(processors, prompt: List[int]):
+    """One logits processor running `processors` in turn on the whole
+    context, where mlx-vlm's generate_step passes only the prompt's tail it
+    fed last (the same tail at every step) and the tokens generated since."""
     tail = head = None
 
     def process(tokens, logits):
         nonlocal tail, head
         if tail is None:
             tail, head = tokens.size, mx.array(prompt, tokens.dtype)
-        return processor(mx.concatenate([head, tokens[tail:]]), logits)
+        context = mx.concatenate([head, tokens[tail:]])
+        for processor in processors:
+            logits = processor(context, logits)
+        return logits
     return process
 
 

@@ -241,6 +241,15 @@ def image_path(model_path, sequential: bool = False) -> Optional[str]:
     return None
 
 
+def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]:
+    """`image_path` of a (path, adapter, draft) key: None (text) with an
+    adapter or a draft model, and under mx.distributed, which load through
+    mlx-lm."""
+    if key is None or key[1] is not None or key[2] is not None or distributed:
+        return None
+    return image_path(key[0], sequential)
+
+
 def _mlx_lm_has(model_path) -> bool:
     """Whether mlx-lm has a model for the folder's family."""
     import importlib.util
@@ -308,8 +317,8 @@ class LoadedModel(UpstreamModelProvider):
         for its first step: dropping the model it held and a gc.collect(),
         which holds the GIL for ~50 ms (a stall of every model generating
         meanwhile on the generation thread) and has nothing to free here."""
-        plain = adapter_path is None and draft_model_path is None and not self.is_distributed
-        path = image_path(model_path, getattr(self, "sequential_vision", False)) if plain else None
+        path = served_image_path((model_path, adapter_path, draft_model_path),
+                                 self.sequential_vision, self.is_distributed)
         if path is None:
             return self._load_text(model_path, adapter_path, draft_model_path)
         load = load_vision_model if path == "batched" else load_mlx_vlm_model
@@ -506,9 +515,7 @@ class ModelProvider:
         if fact is None:  # (asked from executor threads: no second lookup)
             if len(self._vision_facts) > 256:  # (keys a client named)
                 self._vision_facts.clear()
-            path = None
-            if key is not None and key[1] is None and key[2] is None and not self.is_distributed:
-                path = image_path(key[0], self._sequential_vision(key))
+            path = served_image_path(key, self._sequential_vision(key), self.is_distributed)
             fact = (path is not None, configured_max_pixels(key[0]) if path == "batched" else None)
             self._vision_facts[key] = fact
         return fact

@@ -80,29 +80,23 @@ def build_prompt(
         return PromptPlan(tokens, [tokens], ["prompt"])
 
     urls = process_message_content(messages, keep_images=processor is not None)
-    if urls and isinstance(processor, (VisionSupport, MlxVlmGeneration)):
+    through_mlx_vlm = bool(urls) and isinstance(processor, (VisionSupport, MlxVlmGeneration))
+    if through_mlx_vlm:
         _as_image_parts(messages)
     kwargs = dict(tools=request.tools, tokenize=True, **chat_template_args)
     vision = None
-    if urls and isinstance(processor, MlxVlmGeneration):
-        # Served through mlx-vlm's own generation: its expansion, one segment.
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
-        )
-        tokens, vision = processor.prepare(text, urls, getattr(request, "images", None))
-        return PromptPlan(tokens, [tokens], ["prompt"], _initial_state(tokenizer, tokens), vision)
-    if urls and isinstance(processor, VisionSupport):
-        # A vision-language model served through mlx-vlm (vision.py).
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
-        )
-        tokens, vision = processor.prepare(text, urls, getattr(request, "images", None))
-        boundaries = image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs)
-        return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), vision)
     if urls:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **{**kwargs, "tokenize": False}
         )
+    if through_mlx_vlm:
+        # A vision-language model through mlx-vlm: batched (vision.py), with
+        # checkpoints; or its own generation (one segment: nothing is stored).
+        tokens, vision = processor.prepare(text, urls, getattr(request, "images", None))
+        if isinstance(processor, VisionSupport):
+            boundaries = image_checkpoint_positions(tokenizer, messages, tokens, vision, kwargs)
+            return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), vision)
+    elif urls:
         text, pixel_values = processor(
             text, images=[_decode_image(u) for u in urls]
         )
@@ -126,7 +120,8 @@ def build_prompt(
 
     initial_state = _initial_state(tokenizer, tokens)
 
-    # Image prompts are served sequentially and cached whole (for now).
+    # Image prompts on mlx-lm's own vision models and through mlx-vlm's
+    # own generation: one segment.
     if vision is not None:
         return PromptPlan(tokens, [tokens], ["prompt"], initial_state, vision)
 

@@ -58,7 +58,7 @@ PLAIN_VISION_MODEL_TYPES = ("gemma3", "idefics3", "smolvlm")
 VISION_MODEL_TYPES = MROPE_VISION_MODEL_TYPES + PLAIN_VISION_MODEL_TYPES
 
 
-def _read_json(path) -> dict:
+def read_json(path) -> dict:
     try:  # (a name a client sent: too long for a path, say)
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -68,15 +68,15 @@ def _read_json(path) -> dict:
 
 def is_vision_model(model_path) -> bool:
     """A local folder whose config names a vision-language model we batch."""
-    cfg = _read_json(Path(model_path) / "config.json")
+    cfg = read_json(Path(model_path) / "config.json")
     return "vision_config" in cfg and cfg.get("model_type") in VISION_MODEL_TYPES
 
 
 def configured_max_pixels(model_path) -> Optional[int]:
     """The most pixels the image processor passes on, from a model folder's
     configs (before the model is loaded), or None."""
-    model_type = _read_json(Path(model_path) / "config.json").get("model_type")
-    return _max_pixels(model_type, _read_json(Path(model_path) / "preprocessor_config.json"))
+    model_type = read_json(Path(model_path) / "config.json").get("model_type")
+    return _max_pixels(model_type, read_json(Path(model_path) / "preprocessor_config.json"))
 
 
 def _max_pixels(model_type, cfg: dict) -> Optional[int]:
@@ -189,23 +189,23 @@ class TextModel(nn.Module):
                             position_ids=positions, **extra)
 
 
-class PlainKVCache(KVCache):
-    """mlx-lm's KVCache for mlx-vlm's language models: not quantized
-    (--kv-bits), as the M-RoPE layers: mlx-vlm's attention on mlx-lm's
-    quantized caches, batched or not, is not what these models are tested on."""
+class _Unquantized:
+    """A layer of mlx-vlm's language models left as it is under --kv-bits,
+    as the M-RoPE layers: mlx-vlm's attention on mlx-lm's quantized caches,
+    batched or not, is not what these models are tested on (and mlx-lm's
+    RotatingKVCache.to_quantized raises: every Gemma 3 request a 500)."""
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         warn_once("--kv-bits: vision models' layers are not quantized")
         return self
 
 
-class PlainRotatingKVCache(RotatingKVCache):
-    """A sliding-window layer (Gemma 3) left as it is under --kv-bits, where
-    mlx-lm's RotatingKVCache.to_quantized raises (every request a 500)."""
+class PlainKVCache(_Unquantized, KVCache):
+    """mlx-lm's KVCache for mlx-vlm's language models, not quantized."""
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        warn_once("--kv-bits: vision models' layers are not quantized")
-        return self
+
+class PlainRotatingKVCache(_Unquantized, RotatingKVCache):
+    """A sliding-window layer (Gemma 3), not quantized."""
 
 
 class PlainTextModel(nn.Module):
@@ -527,7 +527,6 @@ class MRopeVision(VisionSupport):
 
     def __init__(self, vlm, processor, config: dict):
         super().__init__(vlm, processor, config)
-        self.vision_start_id = config["vision_start_token_id"]
         self.merge = config["vision_config"].get("spatial_merge_size", 2)
 
     def _spans(self, tokens, inputs):
@@ -626,19 +625,20 @@ class Idefics3Vision(VisionSupport):
     def _spans(self, tokens, inputs):
         pixel_values = mx.array(inputs["pixel_values"])  # (1, tiles, C, H, W)
         tile_mask = inputs.get("pixel_attention_mask")
-        spans, first, tile = [], None, 0
+        tile_mask = None if tile_mask is None else mx.array(tile_mask)
+        spans, first, tile, tiles = [], None, 0, 0
         for i, j in _runs(tokens, self.image_token_id):
             first = i if first is None else first
+            tiles += 1
             if tokens[i - 1] != self.global_image_id:
                 continue
-            tiles = len(_runs(tokens[first:j], self.image_token_id))
             extra = {}
             if tile_mask is not None:
-                extra["pixel_attention_mask"] = mx.array(tile_mask)[:, tile : tile + tiles]
+                extra["pixel_attention_mask"] = tile_mask[:, tile : tile + tiles]
             spans.append(ImageSpan(
                 start=first, end=j, vision_start=first, fingerprint=0,
                 pixel_values=pixel_values[:, tile : tile + tiles], extra=extra))
-            first, tile = None, tile + tiles
+            first, tile, tiles = None, tile + tiles, 0
         if tile != pixel_values.shape[1] or first is not None:
             raise ValueError("The processor's image tokens do not match its tiles")
         return spans
@@ -659,8 +659,9 @@ def _support_class(model_type):
     return Gemma3Vision if model_type == "gemma3" else Idefics3Vision
 
 
-def load_vision_model(model_path: str):
-    """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
+def load_vlm(model_path: str):
+    """(mlx-vlm's model, its processor, config.json, mlx-lm's tokenizer) of a
+    local vision-language folder."""
     from mlx_vlm import load as vlm_load
 
     # A local folder needs no hub; without this, mlx-vlm's processor loading
@@ -670,8 +671,13 @@ def load_vision_model(model_path: str):
     with _hub_offline():
         vlm, processor = vlm_load(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text())
+    return vlm, processor, config, load_vlm_tokenizer(model_path, config, processor)
+
+
+def load_vision_model(model_path: str):
+    """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
+    vlm, processor, config, tokenizer = load_vlm(model_path)
     model_type = config["model_type"]
-    tokenizer = load_vlm_tokenizer(model_path, config, processor)
     if model_type in HYBRID_VISION_MODEL_TYPES:
         text_model = HybridTextModel(_mlx_lm_sharing_weights(model_path, vlm), vlm)
     elif model_type in MROPE_VISION_MODEL_TYPES:
@@ -691,7 +697,7 @@ def load_vlm_tokenizer(model_path, config: dict, processor=None):
     from mlx_lm.utils import load_tokenizer
 
     ends = []
-    generation = _read_json(Path(model_path) / "generation_config.json")
+    generation = read_json(Path(model_path) / "generation_config.json")
     for cfg in (config, config.get("text_config") or {}, generation):
         ids = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
         for t in ids if isinstance(ids, list) else [ids]:

@@ -13,15 +13,17 @@ where two pictures of one size look alike, and its cache classes are not
 what our prompt store keeps and counts.
 """
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from .vision import DecodedImage, decode_images
+from .vision import DecodedImage, read_json, decode_images, load_vlm
 
 
 @dataclass
@@ -44,7 +46,6 @@ class MlxVlmGeneration:
         self.model_type = config.get("model_type")
         self.calls = 0  # images through the vision tower (tests and metrics)
         self.hits = 0  # (never: nothing is reused)
-        self.max_pixels = None  # (each family's processor scales as it does)
 
     def prepare(self, prompt_text: str, urls: List[str],
                 decoded: Optional[List[DecodedImage]] = None
@@ -74,7 +75,7 @@ class MlxVlmGeneration:
 
     def generate(self, tokens: List[int], prompt: Optional[MlxVlmPrompt], cache: List[Any],
                  sampler, logits_processors, max_tokens: int, prefill_step_size: int,
-                 progress=None, **quantization) -> Iterator[Tuple[int, mx.array]]:
+                 progress, **quantization) -> Iterator[Tuple[int, mx.array]]:
         """mlx-vlm's generate_step into the empty `cache`: (token, logprobs)
         pairs, `max_tokens` of them at most. `progress(done, total)` is
         called after each prefill chunk (it may raise to stop there): hung
@@ -83,7 +84,7 @@ class MlxVlmGeneration:
         from mlx_vlm.generate.ar import generate_step
 
         total = len(tokens)
-        ends = list(range(prefill_step_size, total, prefill_step_size)) if progress else []
+        ends = list(range(prefill_step_size, total, prefill_step_size))
 
         if prompt is None:  # text only
             input_ids, pixel_values, mask, extra = mx.array(tokens)[None], None, None, {}
@@ -141,16 +142,9 @@ def _response(text, token, logprobs, prompt_tokens, prompt_tps, n, tic, finish_r
 def is_mlx_vlm_model(model_path) -> bool:
     """A local folder with a vision config whose family mlx-vlm has (found
     without importing mlx-vlm: the API asks before any model is loaded)."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        spec = importlib.util.find_spec("mlx_vlm")
-    except (OSError, ValueError):  # (a name a client sent: too long for a path, say)
-        return False
-    if not (isinstance(cfg, dict) and "vision_config" in cfg and spec and spec.origin
+    cfg = read_json(Path(model_path) / "config.json")
+    spec = importlib.util.find_spec("mlx_vlm")
+    if not ("vision_config" in cfg and spec and spec.origin
             and isinstance(cfg.get("model_type"), str)):
         return False
     models = Path(spec.origin).parent / "models"
@@ -164,15 +158,5 @@ def is_mlx_vlm_model(model_path) -> bool:
 
 def load_mlx_vlm_model(model_path: str):
     """(mlx-vlm's model, mlx-lm tokenizer, MlxVlmGeneration) for a local folder."""
-    import json
-    from pathlib import Path
-
-    from mlx_vlm import load as vlm_load
-
-    from .vision import _hub_offline, load_vlm_tokenizer
-
-    with _hub_offline():
-        vlm, processor = vlm_load(model_path)
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    tokenizer = load_vlm_tokenizer(model_path, config, processor)
+    vlm, processor, config, tokenizer = load_vlm(model_path)
     return vlm, tokenizer, MlxVlmGeneration(vlm, processor, config)

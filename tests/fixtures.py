@@ -323,6 +323,11 @@ def _make_usable(weights: dict, special_ids, kind: str) -> dict:
     return out
 
 
+def _built(marker: Path, version: int) -> bool:
+    """Whether the fixture whose marker file this is was built, at `version`."""
+    return marker.exists() and json.loads(marker.read_text()).get("version") == version
+
+
 def build_fixture(kind: str, root) -> Path:
     """Build (or reuse) the fixture `kind` under `root`; returns its folder."""
     import mlx.core as mx
@@ -331,7 +336,7 @@ def build_fixture(kind: str, root) -> Path:
 
     out = Path(root) / kind
     marker = out / "fixture.json"
-    if marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
+    if _built(marker, VERSION):
         return out
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
@@ -395,7 +400,7 @@ def build_vision_fixture(kind: str, root) -> Path:
     assert kind in VISION_KINDS, kind
     out = Path(root) / kind
     marker = out / "fixture.json"
-    if marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
+    if _built(marker, VERSION):
         return out
     out.mkdir(parents=True, exist_ok=True)
     ids = _train_tokenizer(out, VISION_SPECIAL_TOKENS)
@@ -716,7 +721,7 @@ def build_vlm_fixture(kind: str, root) -> Path:
     assert kind in VLM_KINDS, kind
     out = Path(root) / kind
     marker = out / "fixture.json"
-    if marker.exists() and json.loads(marker.read_text()).get("version") == VLM_VERSION:
+    if _built(marker, VLM_VERSION):
         return out
     out.mkdir(parents=True, exist_ok=True)
     model_type = VLM_KINDS[kind]

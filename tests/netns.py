@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
@@ -123,22 +122,16 @@ class RankServer(ServerProcess):
                  *self.args, "--host", ip, "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         self.proc = self.procs[0]
-        deadline = time.time() + self.startup_timeout
-        while time.time() < deadline:
-            for rank, proc in enumerate(self.procs):
-                if proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"rank {rank} exited with {proc.returncode}:\n"
-                                       + self.log(rank)[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("the ranks did not become healthy:\n" + self.log(0)[-3000:])
+        return self.wait_healthy()
+
+    def exited(self) -> Optional[str]:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                return f"rank {rank} exited with {proc.returncode}:\n" + self.log(rank)[-3000:]
+        return None
+
+    def not_healthy(self) -> str:
+        return "the ranks did not become healthy:\n" + self.log(0)[-3000:]
 
     def log(self, rank: int) -> str:
         return (self.log_dir / f"rank{rank}.log").read_text(errors="replace")
