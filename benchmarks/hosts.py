@@ -1,8 +1,10 @@
 """One process against two ranks on two (simulated) hosts.
 
     python -m benchmarks.hosts [--model-kind qwen3 | --model PATH] [--rounds 3]
+    python -m benchmarks.hosts --pipeline --model-kind qwen2
 
-The two ranks run tensor-parallel over the ring backend, each in its own
+The two ranks run tensor-parallel (or with --pipeline, pipelined: a model
+mlx-lm pipelines, as the qwen2 fixture) over the ring backend, each in its own
 network namespace (tests/netns.py; needs root on Linux). Figures (medians
 over --rounds, the two setups alternating which goes first): time to first
 token and generated tokens per second for 1 client, and for 8 clients at
@@ -60,6 +62,8 @@ def main(argv=None):
     add_model_args(parser, "attention")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the ranks pipelined instead of tensor-parallel")
     args = parser.parse_args(argv)
     reason = netns.unavailable()
     if reason:
@@ -77,7 +81,9 @@ def main(argv=None):
                 if name == "one process":
                     server = ServerProcess(OURS, ["--model", model], log=logs / "server.log")
                 else:
-                    server = netns.RankServer(hosts, ["--model", model], logs)
+                    server = netns.RankServer(
+                        hosts, ["--model", model, *(["--pipeline"] if args.pipeline else [])],
+                        logs)
                 with server:
                     runs[name].append(measure(server.url, tokenizer, args.max_tokens, r))
     figures = {}
@@ -86,7 +92,8 @@ def main(argv=None):
         two = median([run[key] for run in runs["two ranks"]])
         figures[key] = {"one process": round(one, 4), "two ranks": round(two, 4),
                         "two / one": round(two / one, 3) if one else None}
-    print(f"model: {model}; rounds: {args.rounds}; max_tokens {args.max_tokens}")
+    print(f"model: {model}; {'pipelined' if args.pipeline else 'tensor-parallel'}; "
+          f"rounds: {args.rounds}; max_tokens {args.max_tokens}")
     print_figures(figures)
 
 

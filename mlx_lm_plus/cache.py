@@ -91,7 +91,7 @@ from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -519,6 +519,11 @@ class PromptStore:
         # not wait for.
         self._spills: List[Tuple[Any, List[int], List[Any], str]] = []
         self._no_spill = False  # set by trim_to(to_disk=False) while it runs
+        # Under mx.distributed each rank has a store of its share of every
+        # entry, and all must decide alike: `group_max(values)` is each
+        # value's largest over the ranks (a collective, so never called
+        # under the lock; set by the engine). One process: the values.
+        self.group_max: Callable[[List[int]], List[int]] = lambda values: values
 
     def __len__(self):
         return len(self._entries)
@@ -741,12 +746,16 @@ class PromptStore:
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
         layers, sources, layout = self._take(cache, len(tokens))
-        if layers is None:
+        trimmable = layers is not None and all(c.is_trimmable() for c in layers)
+        # (A pipeline rank's layers are of its own kinds: stored, and
+        # trimmable, only where every rank's are.)
+        untaken, untrimmable = self.group_max([layers is None, not trimmable])
+        if untaken:
             with self._lock:
                 self.stats["not_stored"] += 1
             return
+        trimmable = not untrimmable
         nbytes = cache_nbytes(layers)
-        trimmable = all(c.is_trimmable() for c in layers)
         with self._lock:
             if self._layouts.setdefault(model, layout) != layout:
                 # Not this model's layer kinds (no server makes such a cache).
@@ -779,7 +788,9 @@ class PromptStore:
             if trimmable:
                 self._drop_redundant_prefixes(node)
             self._drop_abandoned_replies(node)
-            self._enforce_limits(keep=entry)
+            evicted = self._enforce_limits(keep=entry)
+        self._evict_as_the_group(evicted, keep=entry)
+        with self._lock:
             fresh, self._fresh = self._fresh, []
         mx.eval(fresh + [c.state for c in layers if not isinstance(c, SharedKV)])
         self._spill()
@@ -972,14 +983,16 @@ class PromptStore:
     def leaf_count(self) -> int:
         return self._leaves
 
-    def _enforce_limits(self, keep: Entry):
+    def _enforce_limits(self, keep: Entry) -> int:
+        """The entries evicted for the byte budget (the others' count is
+        every rank's own)."""
         self._expire()
         while self.max_sequences is not None and self._leaves > self.max_sequences:
             victim = self._victim(keep, leaves_only=True) or self._victim(keep, False)
             if victim is None:
                 break
             self._remove(victim, reason="evicted")
-        self._trim_to(self.max_bytes, keep=keep)
+        return self._trim_to(self.max_bytes, keep=keep)
 
     def trim_to(self, n_bytes: int, keep: Optional[Entry] = None, to_disk: bool = True):
         """Evict until the entries and the index hold at most `n_bytes`.
@@ -988,20 +1001,40 @@ class PromptStore:
         with self._lock:
             self._no_spill = not to_disk
             try:
-                self._trim_to(n_bytes, keep)
+                evicted = self._trim_to(n_bytes, keep)
             finally:
                 self._no_spill = False
+        self._evict_as_the_group(evicted, keep)
         self._spill()
 
-    def _trim_to(self, n_bytes: int, keep: Optional[Entry] = None):
+    def _trim_to(self, n_bytes: int, keep: Optional[Entry] = None) -> int:
+        """How many entries it evicted."""
+        evicted = 0
         while self.nbytes > max(0, n_bytes) and self._entries:
-            victim = self._victim(keep, leaves_only=False)
-            if victim is None:
-                # Only `keep` is left and it alone is over budget.
-                victim = keep
-            self._remove(victim, reason="evicted")
-            if victim is keep:
+            evicted += 1
+            if not self._evict_one(keep):
                 break
+        return evicted
+
+    def _evict_one(self, keep: Optional[Entry]) -> bool:
+        """Evict the least recently used entry, `keep` only when it is the
+        last one left (False then: it alone is over budget)."""
+        victim = self._victim(keep, leaves_only=False)
+        if victim is None:
+            victim = keep
+        self._remove(victim, reason="evicted")
+        return victim is not keep
+
+    def _evict_as_the_group(self, evicted: int, keep: Optional[Entry]):
+        """Evict as many entries as the rank of the group that evicted most.
+        Their stores are alike, so the order of victims is too: every rank
+        ends with the same entries, each within its own budget."""
+        more = self.group_max([evicted])[0] - evicted
+        with self._lock:
+            while more > 0 and self._entries:
+                more -= 1
+                if not self._evict_one(keep):
+                    break
 
     def _remove(self, entry: Entry, reason: Optional[str] = None, prune: bool = True):
         # An inner entry's path stays in memory (entries below use it): only

@@ -72,6 +72,7 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, cache_nbytes, is_plain_kv
+from .models import group_max
 from .constraints import ConstraintError, processor_for
 from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
@@ -221,8 +222,18 @@ def is_group_lost(error: BaseException) -> bool:
         tag in text for tag in ("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
 
 
+def ends_the_group(error: BaseException) -> bool:
+    """Under mx.distributed: an error after which the ranks are out of step,
+    so the group must end. A lost rank, or an allocation failure (one host's
+    memory: the other ranks went on with the step this one gave up)."""
+    return is_group_lost(error) or is_out_of_memory(error)
+
+
 def group_lost_error(error: BaseException) -> "EngineUnavailable":
-    """What a request held when the group was lost gets (a 503)."""
+    """What a request held when the group ended gets (a 503)."""
+    if not is_group_lost(error) and is_out_of_memory(error):
+        return EngineUnavailable(f"Generation engine unavailable: out of memory on a rank of "
+                                 f"the distributed group, which ends the group: {error}")
     return EngineUnavailable(
         f"Generation engine unavailable: a rank of the distributed group was lost: {error}")
 
@@ -383,6 +394,18 @@ class Engine:
         logging.shutdown()
         self.exit_process(HANG_EXIT_STATUS)
 
+    def _agree_on_the_store(self):
+        """Under mx.distributed every rank's store must make the same
+        decisions: the group keeps the smallest rank's budget (the default
+        is a share of each host's memory), and evicts as the rank with the
+        most to give back (a pipeline rank holds its own layers' share of
+        every entry)."""
+        store = self.store
+        store.group_max = group_max
+        store.max_bytes = -group_max([-store.max_bytes])[0]
+        logging.info(f"Prompt cache budget {store.max_bytes / 1e6:.2f} MB, the smallest "
+                     f"of the {mx.distributed.init().size()} ranks'")
+
     def relieve_memory(self):
         """After an allocation failure: give back half the prompt cache and
         MLX's buffer cache, so the next request has room."""
@@ -412,6 +435,7 @@ class Engine:
                     # Every rank must take the same steps: a loop restarted
                     # on this rank alone would wait on the others forever.
                     what = ("a rank of the distributed group was lost" if is_group_lost(e)
+                            else "out of memory under mx.distributed" if is_out_of_memory(e)
                             else "the generation loop failed under mx.distributed")
                     logging.exception(f"mlx_lm_plus: {what}: {e!r}")
                     self._shut_down(f"{what}: {e}")
@@ -916,7 +940,11 @@ class Engine:
         return self._model_facts[key]
 
     def keep_checkpoints(self, lm) -> bool:
-        return self._per_model(lm, "checkpoints", lambda: self._needs_checkpoints(lm.model))
+        # (Pipeline ranks hold layers of their own kinds: where any needs
+        # checkpoints, all store them alike.)
+        return self._per_model(lm, "checkpoints", lambda: bool(group_max(
+            [self._needs_checkpoints(lm.model)])[0]) if self._is_distributed
+            else self._needs_checkpoints(lm.model))
 
     @staticmethod
     def _needs_checkpoints(model) -> bool:
@@ -941,6 +969,7 @@ class Engine:
         if self._is_distributed:
             seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
             mx.random.seed(seed)
+            self._agree_on_the_store()
 
         while not self._stop:
             self._housekeeping()
@@ -953,7 +982,7 @@ class Engine:
                 try:
                     self._admit(request, stream)
                 except Exception as e:
-                    if self._is_distributed and is_group_lost(e):
+                    if self._is_distributed and ends_the_group(e):
                         request[0].put(group_lost_error(e))  # (no longer held below)
                         raise  # (the whole group is down: _run ends it)
                     # Whatever slipped past validation fails this request
@@ -1058,7 +1087,7 @@ class Engine:
         try:
             return self._find_readiness(request)
         except Exception as e:  # (what slipped past validation: this request's)
-            if self._is_distributed and is_group_lost(e):
+            if self._is_distributed and ends_the_group(e):
                 request[0].put(group_lost_error(e))
                 raise  # (the whole group is down: _run ends it)
             logging.exception("Could not place a request")
@@ -1120,8 +1149,8 @@ class Engine:
             try:
                 lm = self.model_provider.load(key)
             except Exception as e:
-                if is_group_lost(e):
-                    raise  # (sharded loads end with a collective)
+                if ends_the_group(e):
+                    raise  # (sharded loads end with a collective the others wait in)
                 logging.exception("Model load failed")
                 return ModelLoadError(str(e))
             self._loaded(lm)
@@ -1320,7 +1349,7 @@ class Engine:
                 logging.info("Stopped the image prefill of a cancelled request")
                 return None
             except Exception as e:
-                if self._is_distributed and is_group_lost(e):
+                if self._is_distributed and ends_the_group(e):
                     raise  # (the admission guard answers it; _run ends the group)
                 logging.exception("Image prefill failed")
                 if is_out_of_memory(e):
@@ -1444,7 +1473,7 @@ class Engine:
                 "the disconnect"
             )
         except Exception as e:
-            if self._is_distributed and is_group_lost(e):
+            if self._is_distributed and ends_the_group(e):
                 raise  # (the admission guard answers it; _run ends the group)
             logging.exception("Sequential generation failed")
             error = request_error(e, "generating")
@@ -1694,7 +1723,7 @@ class _Batch:
             self._remove_stopped()
             return self._step()
         except Exception as e:
-            if self.engine._is_distributed and is_group_lost(e):
+            if self.engine._is_distributed and ends_the_group(e):
                 raise  # (the whole group is down: Engine._run ends it)
             self._flush()  # what the step produced comes before the error
             self._fail_all(e)

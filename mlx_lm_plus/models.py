@@ -29,7 +29,9 @@ import mlx.nn as nn
 import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
-from .vision import configured_max_pixels, is_vision_model, load_vision_model
+from .vision import (
+    configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
+)
 from .vlm_generation import is_mlx_vlm_model, load_mlx_vlm_model
 
 # The sampling defaults a --models-config entry may set: its key -> the CLI
@@ -243,11 +245,28 @@ def image_path(model_path, sequential: bool = False) -> Optional[str]:
 
 def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]:
     """`image_path` of a (path, adapter, draft) key: None (text) with an
-    adapter or a draft model, and under mx.distributed, which load through
-    mlx-lm."""
-    if key is None or key[1] is not None or key[2] is not None or distributed:
+    adapter or a draft model; under mx.distributed "batched" for a family
+    whose language model splits across the ranks, None for the others."""
+    if key is None or key[1] is not None or key[2] is not None:
         return None
+    if distributed:
+        return "batched" if splits_across_ranks(key[0]) else None
     return image_path(key[0], sequential)
+
+
+def group_max(values: List[int]) -> List[int]:
+    """Each value's largest over the ranks of the mx.distributed group: how
+    the ranks agree on a decision each could make apart, from its own share
+    of the model (a collective: every rank calls it at the same point)."""
+    return mx.distributed.all_max(mx.array(values, dtype=mx.int64)).tolist()
+
+
+def _sharding(model) -> str:
+    """How mx.distributed split `model` on this rank, for the load's log."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return f"pipelined, layers {inner.start_idx}-{inner.end_idx - 1} here"
+    return "tensor-parallel"
 
 
 def _mlx_lm_has(model_path) -> bool:
@@ -321,8 +340,11 @@ class LoadedModel(UpstreamModelProvider):
                                  self.sequential_vision, self.is_distributed)
         if path is None:
             return self._load_text(model_path, adapter_path, draft_model_path)
-        load = load_vision_model if path == "batched" else load_mlx_vlm_model
-        model, tokenizer, processor = load(model_path)
+        if path == "batched":
+            model, tokenizer, processor = load_vision_model(
+                model_path, self.tensor_group, self.pipeline_group)
+        else:
+            model, tokenizer, processor = load_mlx_vlm_model(model_path)
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         self.model_key = (model_path, None, None)
@@ -334,6 +356,10 @@ class LoadedModel(UpstreamModelProvider):
         if path == "batched":
             logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
                          "image requests batch with text requests")
+            if self.is_distributed:
+                group = self.pipeline_group or self.tensor_group
+                logging.info(f"Loaded {model_path} on rank {group.rank()} of {group.size()}: "
+                             f"{_sharding(model.lm)}, the vision tower whole")
         else:
             logging.info(
                 f"Loaded {model_path} as a vision-language model ({processor.model_type}) "
@@ -347,11 +373,14 @@ class LoadedModel(UpstreamModelProvider):
             raise ValueError("Loading with adapters or draft models not supported in "
                              "distributed mode")
         if self.is_distributed:
+            group = self.pipeline_group or self.tensor_group
             model, tokenizer, config = upstream.sharded_load(
                 model_path, pipeline_group=self.pipeline_group,
                 tensor_group=self.tensor_group, return_config=True,
                 tokenizer_config=self._tokenizer_config,
                 trust_remote_code=self.cli_args.trust_remote_code)
+            logging.info(f"Loaded {model_path} on rank {group.rank()} of {group.size()}: "
+                         + _sharding(model))
         else:
             model, tokenizer, config = upstream.load(
                 model_path, adapter_path=adapter_path, tokenizer_config=self._tokenizer_config,
@@ -378,6 +407,8 @@ class LoadedModel(UpstreamModelProvider):
         self.draft_model = draft_model
         self.is_batchable = draft_model is None and all(
             hasattr(c, "merge") for c in upstream.make_prompt_cache(model))
+        if self.is_distributed:  # (batched on every rank, or on none)
+            self.is_batchable = not group_max([not self.is_batchable])[0]
 
     def idle_limit(self, default_ttl: Optional[float]) -> Optional[float]:
         """Idle seconds after which this model may be unloaded (None: never).

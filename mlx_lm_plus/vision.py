@@ -280,8 +280,9 @@ class HybridTextModel(nn.Module):
         self.lm = lm
         self._positions = _Positions()
         vlm_layers = vlm.language_model.model.layers
-        for layer, vlm_layer in zip(lm.layers, vlm_layers):
-            if not layer.is_linear:
+        # (All layers by number: a pipeline rank has None for the others'.)
+        for layer, vlm_layer in zip(lm.language_model.model.layers, vlm_layers):
+            if layer is not None and not layer.is_linear:
                 attn = layer.self_attn
                 attn.rope = ShiftedRoPE(attn.rope, vlm_layer.self_attn.rotary_emb,
                                         self._positions)
@@ -674,12 +675,35 @@ def load_vlm(model_path: str):
     return vlm, processor, config, load_vlm_tokenizer(model_path, config, processor)
 
 
-def load_vision_model(model_path: str):
-    """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder."""
+def splits_across_ranks(model_path) -> bool:
+    """Whether a vision folder's language model can be split across the ranks
+    of mx.distributed: Qwen3.5's, which is mlx-lm's (tensor-parallel or
+    pipelined), the vision tower whole on every rank. mlx-vlm's own language
+    models of the other families can't be."""
+    return (is_vision_model(model_path) and read_json(Path(model_path) / "config.json")
+            .get("model_type") in HYBRID_VISION_MODEL_TYPES)
+
+
+def load_vision_model(model_path: str, tensor_group=None, pipeline_group=None):
+    """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder;
+    under mx.distributed (a group: splits_across_ranks) each rank's part."""
     vlm, processor, config, tokenizer = load_vlm(model_path)
     model_type = config["model_type"]
     if model_type in HYBRID_VISION_MODEL_TYPES:
-        text_model = HybridTextModel(_mlx_lm_sharing_weights(model_path, vlm), vlm)
+        lm = _mlx_lm_sharing_weights(model_path, vlm)
+        if tensor_group is not None:
+            lm.shard(tensor_group)
+        elif pipeline_group is not None:
+            lm.language_model.model.pipeline(pipeline_group)
+        text_model = HybridTextModel(lm, vlm)
+        if tensor_group is not None or pipeline_group is not None:
+            # mlx-vlm's copy of the language model's layers serves nothing
+            # from here on (its embeddings do, for the image merge): let its
+            # weights go, so that each host keeps only its part.
+            vlm.language_model.model.layers = []
+            mx.eval(lm.parameters())
+            # (As mlx-lm's sharded_load: every rank loaded before any runs.)
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
     elif model_type in MROPE_VISION_MODEL_TYPES:
         text_model = TextModel(vlm)
     else:

@@ -36,12 +36,19 @@ class Collect(Channel):
 
 
 class EngineRunner:
-    def __init__(self, model_path, *, max_bytes=1 << 30, max_sequences=None, argv=()):
+    def __init__(self, model_path, *, max_bytes=1 << 30, max_sequences=None, argv=(),
+                 as_a_rank=False):
         self.args = parse_args(["--model", str(model_path), *argv])
         self.provider = ModelProvider(self.args)
         self.store = PromptStore(max_bytes=max_bytes, max_sequences=max_sequences,
                                  share_kv=self.args.kv_bits is None)
         self.engine = Engine(self.provider, self.store)
+        self.exits = []  # the statuses the engine exited the process with
+        self.engine.exit_process = self.exits.append
+        if as_a_rank:
+            # The engine's mx.distributed paths, on a group of one (its
+            # collectives are then the values themselves).
+            self.engine._is_distributed = True
         self.engine.start()
 
     @property

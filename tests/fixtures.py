@@ -31,6 +31,8 @@ from pathlib import Path
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Larger random models for benchmarks only (not sensitivity-tuned).
 BENCHMARK_KINDS = ("qwen3_mid",)
+# An attention model mlx-lm can pipeline (`--pipeline` across ranks).
+PIPELINE_KINDS = ("qwen2",)
 # Kinds whose batching is broken in mlx-lm 0.32.2 without patches/.
 PATCHED_KINDS = ("nemotron_h", "mamba", "jamba", "olmo_hybrid")
 SPECIAL_TOKENS = [
@@ -42,7 +44,7 @@ SPECIAL_TOKENS = [
     "<tool_call>",
     "</tool_call>",
 ]
-VERSION = 4
+VERSION = 5  # 5: model.safetensors.index.json (mlx-lm's pipelined load reads it)
 
 CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -160,6 +162,11 @@ def _config(kind: str, vocab: int) -> dict:
         return dict(model_type="qwen3", num_hidden_layers=8, rope_theta=10000.0, **mid)
     if kind == "llama":
         return dict(model_type="llama", num_hidden_layers=2, rope_theta=10000.0, **attn)
+    if kind == "qwen2":
+        # 3 layers: two ranks pipeline it unevenly (2 and 1), so their shares
+        # of a cached entry differ in bytes. (No head_dim: qwen2 derives it.)
+        return dict(model_type="qwen2", num_hidden_layers=3, rope_theta=10000.0,
+                    **{k: v for k, v in attn.items() if k != "head_dim"})
     if kind == "gemma3_text":
         return dict(
             model_type="gemma3_text",
@@ -285,7 +292,7 @@ def _config(kind: str, vocab: int) -> dict:
             time_step_limit=[0.0, float("inf")],
             tie_word_embeddings=False,
         )
-    raise ValueError(f"unknown fixture kind {kind!r}; one of {FIXTURE_KINDS + PATCHED_KINDS}")
+    raise ValueError(f"unknown fixture kind {kind!r}; one of {FIXTURE_KINDS + PATCHED_KINDS + PIPELINE_KINDS}")
 
 
 def _make_usable(weights: dict, special_ids, kind: str) -> dict:
@@ -297,7 +304,7 @@ def _make_usable(weights: dict, special_ids, kind: str) -> dict:
             w = w * 2.0
         if name.endswith(("q_norm.weight", "k_norm.weight")):
             w = w * 3.0
-        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if kind in ("llama", "qwen2") and name.endswith(("q_proj.weight", "k_proj.weight")):
             # No q/k norms to sharpen: sharpen the projections instead.
             w = w * 1.5
         if kind == "qwen3_5" and name.endswith("A_log"):
@@ -355,6 +362,10 @@ def build_fixture(kind: str, root) -> Path:
     special_ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
     weights = _make_usable(weights, special_ids, kind)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
+    # The index a sharded checkpoint has: mlx-lm's pipelined load reads it to
+    # find each rank's layers.
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model.safetensors" for k in sorted(weights)}}))
     marker.write_text(
         json.dumps({"version": VERSION, "kind": kind, "special_token_ids": special_ids})
     )

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from compat.launch import ServerProcess
 
@@ -98,7 +98,8 @@ class RankServer(ServerProcess):
     its host's address; the usual ServerProcess client."""
 
     def __init__(self, hosts: Hosts, args: List[str], log_dir: Path, port: int = 8080,
-                 ring_port: int = 45000, startup_timeout: float = 180):
+                 ring_port: int = 45000, startup_timeout: float = 180,
+                 rank_args: Optional[Dict[int, List[str]]] = None):
         self.hosts = hosts
         self.port = port
         self.url = f"http://{hosts.ips[0]}:{port}"
@@ -108,6 +109,7 @@ class RankServer(ServerProcess):
         self.hostfile = self.log_dir / "hostfile.json"
         self.hostfile.write_text(json.dumps([[f"{ip}:{ring_port}"] for ip in hosts.ips]))
         self.args = list(args)
+        self.rank_args = rank_args or {}  # rank -> arguments it alone gets, after `args`
         self.procs: List[subprocess.Popen] = []
         self.logs = []
         self.proc = None
@@ -119,7 +121,8 @@ class RankServer(ServerProcess):
             self.procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", name, "env", f"MLX_RANK={rank}",
                  f"MLX_HOSTFILE={self.hostfile}", sys.executable, "-m", "mlx_lm_plus.server",
-                 *self.args, "--host", ip, "--port", str(self.port)],
+                 *self.args, *self.rank_args.get(rank, []), "--host", ip,
+                 "--port", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         self.proc = self.procs[0]
         return self.wait_healthy()

@@ -12,6 +12,7 @@ import pytest
 
 from compat.launch import OURS, ServerProcess
 from tests import netns
+from tests.test_vision import image_part, png, user
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
                                 reason=str(netns.unavailable()))
@@ -63,11 +64,11 @@ def workload(server):
     return out
 
 
-@pytest.mark.parametrize("kind,extra", [("qwen3", []), ("qwen3_5", [])])
+@pytest.mark.parametrize("kind,extra", [
+    ("qwen3", []), ("qwen3_5", []), ("qwen2", ["--pipeline"]), ("qwen3_5", ["--pipeline"])])
 def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, extra):
-    """Tensor-parallel (as `mlx.launch` runs it by default) on the attention
-    and the hybrid fixture. (`--pipeline`: none of the tiny fixtures' mlx-lm
-    models supports pipelining.)"""
+    """Tensor-parallel (as `mlx.launch` runs it by default) and pipelined, on
+    an attention and the hybrid fixture."""
     model = str(fixture_path(kind))
     sea = [{"role": "user", "content": "Tell me about the sea."}]
     with ServerProcess(OURS, ["--model", model, *extra], log=tmp_path / "one.log") as one:
@@ -87,6 +88,74 @@ def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, ex
         assert two.get("/health") == (200, {"status": "ok"})
     assert got == expected
     assert any(cached for _, cached in got[1:4])  # (the cache did work)
+    # Each rank ran its part: its half of every layer, or its own layers
+    # (rank 0 the last ones, as mlx-lm splits).
+    split = ["2-3", "0-1"] if kind == "qwen3_5" else ["1-2", "0-0"]
+    for rank in (0, 1):
+        assert (f"on rank {rank} of 2: " + (f"pipelined, layers {split[rank]} here"
+                                           if extra else "tensor-parallel")) in two.log(rank)
+
+
+@pytest.mark.parametrize("extra", [[], ["--pipeline"]])
+def test_an_image_conversation_across_hosts(hosts, fixture_path, tmp_path, extra):
+    """Qwen3.5 with vision: its language model (mlx-lm's) split across the
+    ranks, the vision tower whole on each. A picture, a follow-up, the same
+    picture in a new conversation and another picture answer as one
+    process, with the same cached tokens (resumed past the image)."""
+    model = str(fixture_path("qwen3_5_vl"))
+    with ServerProcess(OURS, ["--model", model], log=tmp_path / "one.log") as one:
+        expected = image_workload(one)
+    with netns.RankServer(hosts, ["--model", model, *extra], tmp_path) as two:
+        got = image_workload(two)
+    assert got == expected
+    assert got[1][1] > got[0][1] and got[2][1] > 0  # (the cache did work)
+    for rank in (0, 1):
+        assert "the vision tower whole" in two.log(rank)
+
+
+def image_workload(server):
+    red, blue = png((200, 30, 30)), png((30, 30, 200))
+    first = [user(image_part(red), "What is in this picture?")]
+    out = [chat(server, first)]
+    follow = first + [{"role": "assistant", "content": out[0][0]}, user("And its colour?")]
+    out.append(chat(server, follow))
+    out.append(chat(server, [user(image_part(red), "Describe it again.")]))
+    out.append(chat(server, [user(image_part(blue), "What is in this picture?")]))
+    return out
+
+
+def test_ranks_evict_alike(hosts, fixture_path, tmp_path):
+    """Each rank's store evicts by its own bytes under its own budget, yet all
+    must hold the same entries: the group keeps the smallest budget, and
+    evicts as far as the rank with the most to give back. Here rank 1 is
+    given a larger budget (the default is a share of each host's memory),
+    and pipelined over 3 layers rank 0 holds twice rank 1's bytes of each
+    entry: a store that drifted apart would leave one rank resuming a prompt
+    the other recomputes, and the pipeline would garble or hang."""
+    model = str(fixture_path("qwen2"))
+    budget = ["--prompt-cache-bytes", "150000"]
+    with ServerProcess(OURS, ["--model", model, *budget], log=tmp_path / "one.log") as one:
+        expected = [chat(one, m)[0] for m in eviction_workload()]
+    # (A group that drifted apart hangs: --distributed-timeout makes it a 503.)
+    with netns.RankServer(hosts, ["--model", model, "--pipeline", *budget,
+                                  "--distributed-timeout", "20"], tmp_path,
+                          rank_args={1: ["--prompt-cache-bytes", "5000000"]}) as two:
+        got = [chat(two, m) for m in eviction_workload()]
+        stats = two.get("/v1/cache/stats")[1]
+    assert [text for text, _ in got] == expected
+    assert any(cached for _, cached in got)  # (some entries were used...)
+    assert stats["evictions"] > 0, stats  # (...and some evicted)
+    assert "budget 0.15 MB, the smallest of the 2 ranks'" in two.log(1)
+
+
+def eviction_workload():
+    """Conversations that each overfill a 150 KB store, taken up again in turn."""
+    out = []
+    for turn in range(3):
+        for topic in ("the sea", "the hills", "the old town"):
+            out.append([{"role": "system", "content": "You answer briefly. " * 6},
+                        {"role": "user", "content": f"Tell me about {topic}, part {turn}."}])
+    return out
 
 
 def long_request(server, result, **extra):

@@ -158,6 +158,31 @@ def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path)
     assert len(runner.run(chat("and this one does not", max_tokens=4))[0]) == 4
 
 
+@pytest.mark.parametrize("path", ["batched", "sequential"])
+def test_an_allocation_failure_of_a_rank_ends_the_group(fixture_path, monkeypatch, path):
+    """Under mx.distributed an allocation failure is one host's: the other
+    ranks went on with the step this one gave up, and a rank out of step
+    garbles or hangs every collective after it. So it ends the group, as a
+    lost host does: the request a 503 naming it, /health the reason, exit 70."""
+    r = EngineRunner(fixture_path("qwen3"), argv=["--watchdog-grace", "0"], as_a_rank=True)
+    try:
+        assert r.run(chat("warm up", max_tokens=4))[0]
+        fail_next_model_call(r, monkeypatch, "[metal::malloc] Unable to allocate 1024 bytes.")
+        body = chat("This one runs out of memory", max_tokens=4, **(
+            {"seed": 1} if path == "sequential" else {}))
+        with pytest.raises(engine_module.EngineUnavailable,
+                           match="Generation engine unavailable: out of memory"):
+            r.run(body)
+        deadline = time.monotonic() + 30
+        while not r.exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.exits == [engine_module.HANG_EXIT_STATUS]
+        assert "out of memory under mx.distributed" in r.engine.unhealthy_reason
+        assert r.engine.restarts == 0  # (never a loop restarted on one rank)
+    finally:
+        r.close()
+
+
 def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
     """Metal's per-buffer limit can never be met by retrying: 400, and the
     prompt cache is not given up for it."""

@@ -4,14 +4,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, stream_generate
 
-from tests.fixtures import FIXTURE_KINDS, SPECIAL_TOKENS
+from tests.fixtures import FIXTURE_KINDS, PIPELINE_KINDS, SPECIAL_TOKENS
 
 SYSTEM = "You are a helpful assistant. Answer briefly and clearly, with care."
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module", params=FIXTURE_KINDS)
+@pytest.fixture(scope="module", params=FIXTURE_KINDS + PIPELINE_KINDS)
 def loaded(request, fixture_path):
     model, tokenizer = load(str(fixture_path(request.param)))
     return request.param, model, tokenizer
