@@ -300,8 +300,11 @@ class Server:
         if request.method == "DELETE" and request.path == "/v1/cache":
             # Deleting the disk tier's files takes a while: not on the loop.
             loop = asyncio.get_running_loop()
-            return self.json_response(
-                request, await loop.run_in_executor(None, self.engine.clear_cache))
+            try:
+                cleared = await loop.run_in_executor(None, self.engine.clear_cache)
+            except EngineUnavailable as e:  # (under mx.distributed: the group is down)
+                return self.error(request, str(e), 503)
+            return self.json_response(request, cleared)
         if request.method == "POST":
             if request.path not in COMPLETION_PATHS:
                 return self.not_found(request)

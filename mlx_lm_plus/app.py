@@ -83,11 +83,16 @@ def run(cli_args):
     engine, server = build(cli_args)
     engine.start()
     if mx.distributed.init().rank() != 0:
-        # Other ranks only compute; rank 0 reads the HTTP requests.
+        # Other ranks only compute; rank 0 reads the HTTP requests. They stop
+        # when rank 0 does (it tells them at a hand-off, once its requests
+        # have drained): a signal to the whole group (mlx.launch's Ctrl-C)
+        # must not take a rank from under rank 0's drain.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: logging.info("Stopping when rank 0 does"))
         engine.join()
         if engine.hung:  # (the group is down: this rank exits as rank 0 does)
             engine.exit_process(HANG_EXIT_STATUS)
-        return
+        _exit_cleanly()
 
     async def main():
         stop = asyncio.Event()
@@ -103,6 +108,10 @@ def run(cli_args):
         # its way out, for up to --shutdown-timeout seconds more.
         saving = cli_args.shutdown_timeout if cli_args.prompt_cache_dir else 0
         engine.stop_and_join(timeout=10 + saving)
+    _exit_cleanly()
+
+
+def _exit_cleanly():
     logging.info("Server stopped")
     # Everything is shut down. Skip interpreter teardown: MLX's stream worker
     # threads, started from the generation thread, abort the process when the

@@ -537,6 +537,10 @@ class PromptStore:
         """The store's clock (entries' created/last_used are on it)."""
         return self._clock()
 
+    def set_clock(self, clock: Callable[[], float]):
+        """Under mx.distributed: a clock every rank reads alike."""
+        self._clock = clock
+
     def disabled(self) -> bool:
         """No room for anything (--prompt-cache-size 0 or no bytes)."""
         return (self.max_bytes is not None and self.max_bytes <= 0) or (
@@ -746,10 +750,12 @@ class PromptStore:
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
         layers, sources, layout = self._take(cache, len(tokens))
+        with self._lock:  # (not this model's layer kinds: no server makes such a cache)
+            foreign = layers is not None and self._layouts.get(model, layout) != layout
         trimmable = layers is not None and all(c.is_trimmable() for c in layers)
         # (A pipeline rank's layers are of its own kinds: stored, and
         # trimmable, only where every rank's are.)
-        untaken, untrimmable = self.group_max([layers is None, not trimmable])
+        untaken, untrimmable = self.group_max([layers is None or foreign, not trimmable])
         if untaken:
             with self._lock:
                 self.stats["not_stored"] += 1
@@ -757,10 +763,7 @@ class PromptStore:
         trimmable = not untrimmable
         nbytes = cache_nbytes(layers)
         with self._lock:
-            if self._layouts.setdefault(model, layout) != layout:
-                # Not this model's layer kinds (no server makes such a cache).
-                self.stats["not_stored"] += 1
-                return
+            self._layouts.setdefault(model, layout)
             # The new leaf's span (where the key leaves the tree), made before
             # the tree changes: an error here leaves the tree as it was.
             start = self._descend(model, tokens)[1]

@@ -44,7 +44,8 @@ import math
 import os
 import pickle
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, Queue
 import threading
 from threading import Thread
@@ -72,7 +73,7 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, cache_nbytes, is_plain_kv
-from .models import group_max
+from .models import group_max, read_config
 from .constraints import ConstraintError, processor_for
 from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
@@ -222,20 +223,64 @@ def is_group_lost(error: BaseException) -> bool:
         tag in text for tag in ("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
 
 
+class GroupDiverged(RuntimeError):
+    """The ranks of mx.distributed are no longer at the same turn of the loop."""
+
+
 def ends_the_group(error: BaseException) -> bool:
-    """Under mx.distributed: an error after which the ranks are out of step,
-    so the group must end. A lost rank, or an allocation failure (one host's
-    memory: the other ranks went on with the step this one gave up)."""
-    return is_group_lost(error) or is_out_of_memory(error)
+    """Under mx.distributed: an error after which the ranks may be out of
+    step, so the group must end. A lost rank, or any error of MLX's (a
+    RuntimeError: an allocation failure, Metal's limit on one buffer, which
+    differs between Macs): a host's own, while the other ranks went on with
+    the step this one gave up. (A rank out of step does not reliably hang:
+    collectives of different sizes pair up and return garbage.) Errors of a
+    request (ValueError: PromptError, a constraint's) are the same on every
+    rank and fail that request only."""
+    if isinstance(error, (EngineUnavailable, ModelLoadError, InternalError)):
+        return False
+    return is_out_of_memory(error) or isinstance(error, RuntimeError)
+
+
+def group_end_reason(error: BaseException) -> str:
+    if is_group_lost(error):
+        return "a rank of the distributed group was lost"
+    if isinstance(error, GroupDiverged):
+        return "the ranks of the distributed group went out of step"
+    if is_out_of_memory(error):
+        return "out of memory on a rank of the distributed group"
+    return "an error on a rank of the distributed group"
 
 
 def group_lost_error(error: BaseException) -> "EngineUnavailable":
     """What a request held when the group ended gets (a 503)."""
-    if not is_group_lost(error) and is_out_of_memory(error):
-        return EngineUnavailable(f"Generation engine unavailable: out of memory on a rank of "
-                                 f"the distributed group, which ends the group: {error}")
     return EngineUnavailable(
-        f"Generation engine unavailable: a rank of the distributed group was lost: {error}")
+        f"Generation engine unavailable: {group_end_reason(error)}: {error}")
+
+
+# The classes a request handed to the other ranks is made of (besides the
+# parsed JSON's builtins). The ring's TCP is not authenticated: no other
+# class, and no function, is unpickled from it (rank 0 checks its own first).
+_HANDED_OFF_CLASSES = {
+    ("mlx_lm.server", "GenerationArguments"), ("mlx_lm.server", "SamplingArguments"),
+    ("mlx_lm.server", "LogitsProcessorArguments"), ("mlx_lm.server", "ModelDescription"),
+    ("mlx_lm_plus.validation", "Request"), ("mlx_lm_plus.vision", "DecodedImage"),
+    ("mlx_lm_plus.constraints", "Grammar"), ("mlx_lm_plus.constraints", "ForcedToolCall"),
+    ("mlx_lm_plus.constraints", "StrictToolCalls"), ("PIL.Image", "Image"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _HANDED_OFF_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a request")
+
+
+def _unpickle(data: bytes):
+    import io
+
+    return _Unpickler(io.BytesIO(data)).load()
 
 
 def request_error(error: Exception, what: str) -> Exception:
@@ -264,6 +309,7 @@ class Engine:
         group = mx.distributed.init()
         self._is_distributed = group.size() > 1
         self._rank = group.rank()
+        self._group_size = group.size()
         self._time_budget = TimeBudget()
         self._stop = False
         # Why the engine is down (None while it serves), for /health.
@@ -310,6 +356,13 @@ class Engine:
         self._busy: Optional[tuple] = None
         self._admitting = None  # the channel of the request being admitted
         self._handing_off = None  # the channel of the request shared with the ranks
+        self._handoffs = 0  # hand-offs so far (the same on every rank, checked)
+        # Rank 0's time.monotonic() at the last hand-off: every rank's store
+        # reads it (one clock for expiry and recency, whatever the hosts' own).
+        self.group_clock = time.monotonic()
+        self._group_stopped = False  # rank 0 said it stops (ranks other than 0)
+        self._clear_wanted: Optional[Future] = None  # DELETE /v1/cache, for the ranks
+        self._clear_lock = threading.Lock()
         self._shutting_down = threading.Lock()
         self._planning_since: Optional[float] = None  # Engine.plan running since
         self.hung = False
@@ -329,9 +382,11 @@ class Engine:
 
     # -- watchdog --
 
-    def _beat(self, what: str):
-        """The generation thread starts a unit of work (a step, a chunk)."""
-        self._busy = (what, time.monotonic())
+    def _beat(self, what: str, limit: Optional[tuple] = None):
+        """The generation thread starts a unit of work (a step, a chunk);
+        `limit`: its own (seconds, the flag that sets them), else
+        _watch_limit()."""
+        self._busy = (what, time.monotonic(), limit)
 
     def _idle(self):
         self._busy = None
@@ -351,8 +406,8 @@ class Engine:
         while not self._stop:
             time.sleep(min(1.0, limit / 4))
             busy = self._busy
-            if busy is not None and time.monotonic() - busy[1] > limit:
-                self._on_hang(busy[0], time.monotonic() - busy[1])
+            if busy is not None and time.monotonic() - busy[1] > (busy[2] or (limit, ))[0]:
+                self._on_hang(busy[0], time.monotonic() - busy[1], *(busy[2] or ()))
                 return
             # The planning thread (Engine.plan): every request waits on it.
             since = self._planning_since
@@ -360,12 +415,14 @@ class Engine:
                 self._on_hang("planning a prompt", time.monotonic() - since)
                 return
 
-    def _on_hang(self, what: str, seconds: float):
+    def _on_hang(self, what: str, seconds: float, limit=None, flag=None):
         """The generation thread is stuck: say so, answer everyone, exit."""
-        flag = ("--distributed-timeout" if self._watch_limit() != self.cli_args.step_timeout
-                else "--step-timeout")
+        if flag is None:
+            limit = self._watch_limit()
+            flag = ("--distributed-timeout" if limit != self.cli_args.step_timeout
+                    else "--step-timeout")
         self._shut_down(f"generation stuck: {what} has run for {seconds:.0f} s ({flag} "
-                        f"{self._watch_limit():g})")
+                        f"{limit:g})")
 
     def _shut_down(self, reason: str):
         """The engine can't go on: /health says why, every request held or
@@ -397,14 +454,16 @@ class Engine:
     def _agree_on_the_store(self):
         """Under mx.distributed every rank's store must make the same
         decisions: the group keeps the smallest rank's budget (the default
-        is a share of each host's memory), and evicts as the rank with the
-        most to give back (a pipeline rank holds its own layers' share of
-        every entry)."""
+        is a share of each host's memory), evicts as the rank with the most
+        to give back (a pipeline rank holds its own layers' share of every
+        entry), and reads rank 0's clock (for --prompt-cache-ttl and least
+        recently used, as of the latest hand-off)."""
         store = self.store
         store.group_max = group_max
+        store.set_clock(lambda: self.group_clock)
         store.max_bytes = -group_max([-store.max_bytes])[0]
         logging.info(f"Prompt cache budget {store.max_bytes / 1e6:.2f} MB, the smallest "
-                     f"of the {mx.distributed.init().size()} ranks'")
+                     f"of the {self._group_size} ranks'")
 
     def relieve_memory(self):
         """After an allocation failure: give back half the prompt cache and
@@ -431,12 +490,16 @@ class Engine:
                 self._idle()  # nothing runs now: not a stuck step
                 if self.hung:
                     return  # the watchdog answers everyone and ends the process
+                if self._is_distributed and self._stop and is_group_lost(e):
+                    # Stopping anyway (the others were stopped with this one).
+                    logging.warning(f"The distributed group ended while stopping: {e}")
+                    self._fail_held(EngineUnavailable("server shutting down"))
+                    self._fail_queue(EngineUnavailable("server shutting down"))
+                    return
                 if self._is_distributed:
                     # Every rank must take the same steps: a loop restarted
                     # on this rank alone would wait on the others forever.
-                    what = ("a rank of the distributed group was lost" if is_group_lost(e)
-                            else "out of memory under mx.distributed" if is_out_of_memory(e)
-                            else "the generation loop failed under mx.distributed")
+                    what = group_end_reason(e)
                     logging.exception(f"mlx_lm_plus: {what}: {e!r}")
                     self._shut_down(f"{what}: {e}")
                     return
@@ -509,9 +572,22 @@ class Engine:
 
     def clear_cache(self):
         """Drop every prompt cache entry; MLX's buffer cache follows on the
-        generation thread. Returns the store's snapshot."""
-        self.store.clear()
-        self._clear_buffers = True
+        generation thread. Returns the store's snapshot. Under mx.distributed
+        every rank clears at the same hand-off (one store alone cleared would
+        leave the others resuming prompts it recomputes)."""
+        if not self._is_distributed:
+            self.store.clear()
+            self._clear_buffers = True
+            return self.store.snapshot()
+        with self._clear_lock:
+            if self._clear_wanted is None:
+                self._clear_wanted = Future()
+            cleared = self._clear_wanted
+        try:
+            cleared.result(timeout=60)  # (a hand-off comes every loop turn)
+        except FutureTimeout:
+            raise EngineUnavailable("Generation engine unavailable: the distributed group "
+                                    "did not clear the prompt cache within 60 s")
         return self.store.snapshot()
 
     def cache_snapshot(self) -> Dict[str, Any]:
@@ -597,21 +673,46 @@ class Engine:
     # -- distributed hand-off (rank 0 reads HTTP requests, all ranks compute) --
 
     def share_object(self, obj):
+        """Rank 0's `obj` on every rank (None: nothing to share)."""
         if not self._is_distributed:
             return obj
-        if self._rank == 0:
-            if obj is None:
-                mx.eval(mx.distributed.all_sum(0))
-                return None
-            data = mx.array(pickle.dumps(obj))
-            mx.eval(mx.distributed.all_sum(data.size))
-            mx.eval(mx.distributed.all_sum(data))
-            return obj
-        size = mx.distributed.all_sum(0).item()
+        data = self._share(pickle.dumps(obj) if self._rank == 0 and obj is not None else b"")
+        return obj if self._rank == 0 or data is None else _unpickle(data)
+
+    def _share(self, data: bytes) -> Optional[bytes]:
+        """Rank 0's pickled `data` on every rank (None: none), after a header
+        that every rank checks: each rank's count of these hand-offs (all
+        alike, or the ranks went out of step: GroupDiverged ends the group
+        before garbage is served), rank 0's clock (the one every rank's store
+        reads) and whether rank 0 is stopping."""
+        self._handoffs += 1
+        first = self._rank == 0
+        clear = self._clear_wanted if first else None
+        # (Sums: the ring's all_sum hangs less often than its all_max when
+        # a peer dies mid-collective. The counts are alike on every rank
+        # when n * sum(t^2) == sum(t)^2; t kept small, so no sum overflows.)
+        turn = self._handoffs % (1 << 20)
+        size, turns, squares, clock, stop, clearing = mx.distributed.all_sum(mx.array([
+            len(data) if first else 0, turn, turn * turn,
+            int(time.monotonic() * 1e6) if first else 0, int(self._stop) if first else 0,
+            int(clear is not None)], dtype=mx.int64)).tolist()
+        if self._group_size * squares != turns * turns:
+            raise GroupDiverged(f"hand-off {self._handoffs} on rank {self._rank}: the "
+                                f"ranks are at different ones")
+        self.group_clock = clock / 1e6
+        if stop:
+            self._stop = self._group_stopped = True
+        if clearing:  # (DELETE /v1/cache on rank 0)
+            self.store.clear()
+            self._clear_buffers = True
+            if clear is not None:
+                with self._clear_lock:
+                    self._clear_wanted = None
+                clear.set_result(True)
         if size == 0:
             return None
-        data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8))
-        return pickle.loads(data)
+        payload = mx.array(memoryview(data)) if first else mx.zeros(size, dtype=mx.uint8)
+        return bytes(memoryview(mx.distributed.all_sum(payload)))
 
     def _next_request(self, timeout=None):
         request = None
@@ -625,9 +726,11 @@ class Engine:
                 pass
         if not self._is_distributed:
             return request
+        data = b""
         if request is not None:
             try:  # (before any collective: a request that can't be sent is its own error)
-                pickle.dumps(request[1:])
+                data = pickle.dumps(request[1:])
+                _unpickle(data)  # (as the other ranks will)
             except Exception as e:
                 request[0].put(InternalError(f"Could not hand the request to the other "
                                              f"ranks: {e!r}"))
@@ -637,8 +740,10 @@ class Engine:
         # Held here while it is handed off, so a lost group answers it.
         self._handing_off = request[0] if request is not None else None
         try:
-            # The channel stays on rank 0; the other ranks get a sink.
-            shared = self.share_object(request[1:] if request is not None else None)
+            data = self._share(data)
+            # (Rank 0 keeps its own; the others get a sink for the channel.)
+            shared = request[1:] if request is not None else (
+                None if data is None else _unpickle(data))
         except Exception as e:
             if request is not None:
                 request[0].put(group_lost_error(e))
@@ -772,8 +877,8 @@ class Engine:
             lm.is_batchable
             and args.seed is None
             and (self.cli_args.kv_bits is None
-                 or self._per_model(lm, "quantized batching",
-                                    lambda: supports_quantized_batching(lm.model)))
+                 or self._per_model(lm, "quantized batching", lambda: self._on_every_rank(
+                     supports_quantized_batching(lm.model))))
             and (_vision(lm) is not None or not (
                 request.request_type == "chat" and any(_image_parts(request.messages))))
         )
@@ -813,7 +918,7 @@ class Engine:
         images = plan.vision
         safe = images.safe_prefix(cached) if images is not None else cached
         if cache is not None and safe < cached:
-            if can_trim_prompt_cache(cache):
+            if self._on_every_rank(can_trim_prompt_cache(cache)):
                 trim_prompt_cache(cache, cached - safe)
             else:  # hybrid: its entries end at checkpoints, never in an image
                 cache = None
@@ -942,9 +1047,13 @@ class Engine:
     def keep_checkpoints(self, lm) -> bool:
         # (Pipeline ranks hold layers of their own kinds: where any needs
         # checkpoints, all store them alike.)
-        return self._per_model(lm, "checkpoints", lambda: bool(group_max(
-            [self._needs_checkpoints(lm.model)])[0]) if self._is_distributed
-            else self._needs_checkpoints(lm.model))
+        return self._per_model(lm, "checkpoints", lambda: not self._on_every_rank(
+            not self._needs_checkpoints(lm.model)))
+
+    def _on_every_rank(self, fact: bool) -> bool:
+        """Whether `fact`, true on this rank, is on every rank of the group
+        (a pipeline rank judges its own layers; a collective)."""
+        return fact if not self._is_distributed else not group_max([not fact])[0]
 
     @staticmethod
     def _needs_checkpoints(model) -> bool:
@@ -967,11 +1076,14 @@ class Engine:
         self._batches, self._pending = {}, []
 
         if self._is_distributed:
+            self._beat("agreeing with the other ranks at the start")
             seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
             mx.random.seed(seed)
             self._agree_on_the_store()
 
-        while not self._stop:
+        # (Under mx.distributed the ranks stop together, at the hand-off
+        # that tells them rank 0 stops.)
+        while not (self._group_stopped if self._is_distributed else self._stop):
             self._housekeeping()
             request = self._take_request()
             if request is not None:
@@ -1054,8 +1166,14 @@ class Engine:
             timeout=None if busy else 0.02 if self._loading is not None else 0.1)
         if request is None:
             return None
-        state = LOADING if room_wait and not self._for_pinned(request) else \
-            self._readiness(request)
+        # Held while it is placed (under mx.distributed its model may load
+        # here), so that a crash or the watchdog answers it.
+        self._admitting = request[0]
+        try:
+            state = LOADING if room_wait and not self._for_pinned(request) else \
+                self._readiness(request)
+        finally:
+            self._admitting = None
         if state is READY:
             return request
         if isinstance(state, Exception):
@@ -1103,6 +1221,9 @@ class Engine:
         if lm is None:
             if self._loading is not None:
                 return LOADING
+            missing = self._missing_on_a_rank(key) if self._is_distributed else None
+            if missing is not None:
+                return missing  # (before the model loaded makes room for it)
             room = self._make_room(key)
             return self._start_load(key) if room is READY else room
         if getattr(req, "count_only", False) or self._is_batchable(lm, req, args):
@@ -1145,20 +1266,41 @@ class Engine:
         """Load `key`: on the loader thread (LOADING), or here under
         mx.distributed, where every rank must have it at the same step."""
         if self._is_distributed:
-            self._idle()  # a load may take minutes: not a stuck step
+            # (A load that fails on one rank leaves the others in its
+            # collectives: the group ends. _missing_on_a_rank came first.)
+            self._beat("loading a model", self._load_limit())
             try:
                 lm = self.model_provider.load(key)
             except Exception as e:
-                if ends_the_group(e):
-                    raise  # (sharded loads end with a collective the others wait in)
-                logging.exception("Model load failed")
-                return ModelLoadError(str(e))
+                raise GroupDiverged(f"loading {key[0]} failed on rank {self._rank}: "
+                                    f"{e!r}") from e
             self._loaded(lm)
             return READY
         logging.info(f"Loading model {key[0]} (requests for it wait; others go on)")
         self._loading = (key, self._loader.submit(self.model_provider.load, key),
                          time.monotonic())
         return LOADING
+
+    def _missing_on_a_rank(self, key) -> Optional[ModelLoadError]:
+        """Under mx.distributed every rank must have a model's folder before
+        any loads it: where one can't read its config, none does (a 404)."""
+        self._beat("looking for a model on every rank", self._load_limit())
+        try:
+            read_config(key[0])
+            missing = None
+        except Exception as e:
+            missing = e
+        if not group_max([missing is not None])[0]:
+            return None
+        logging.error(f"Can't load {key[0]}: {missing or 'missing on another rank'}")
+        return ModelLoadError(f"Can't load {key[0]}: "
+                              f"{missing or 'it is missing on another rank'}")
+
+    def _load_limit(self) -> Optional[tuple]:
+        """How long a load under mx.distributed may take (a rank lost during
+        it leaves the others in its collectives)."""
+        limit = self.cli_args.model_load_timeout
+        return (limit, "--model-load-timeout") if limit else (math.inf, "")
 
     def _loaded(self, lm):
         self.model_provider.add(lm)
@@ -1170,7 +1312,10 @@ class Engine:
         and another model may be loading)."""
         key = self.model_provider.default_key
         if not self._started and key is not None and self.model_provider.get(key) is None:
-            self._idle()
+            if self._is_distributed:  # (a lost rank stalls a load: watched)
+                self._beat("loading the model", self._load_limit())
+            else:
+                self._idle()
             self._loaded(self.model_provider.load(key))
         self._started = True
 
@@ -1443,16 +1588,20 @@ class Engine:
                 self._beat("a decode step")
                 if self._pending and self.steps % BUDGET_EVERY == 0:
                     self._tick()
-                # Ranks other than 0 can't see the client, so under
-                # mx.distributed the request runs to its end, as upstream.
                 self.steps += 1
                 if self.steps % BUDGET_EVERY == 0:
                     # The budget covers this request's growing cache too.
                     self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
                 gone = ctx._should_stop or channel.cancelled
+                if self._is_distributed:
+                    # Only rank 0 sees the client: every rank stops at the
+                    # same token, looked at every BUDGET_EVERY (a collective).
+                    gone = self.steps % BUDGET_EVERY == 0 and bool(group_max([gone])[0])
                 tic = time.perf_counter()
                 seconds["outside_model"] += tic - toc
-                if (gone and not self._is_distributed) or finish_reason is not None:
+                if gone and finish_reason is None:
+                    logging.info(f"Stopped a cancelled request at step {self.steps}")
+                if gone or finish_reason is not None:
                     break
             if channel.cancelled:
                 channel.removed()
@@ -1747,7 +1896,8 @@ class _Batch:
             for uid, r in self.results.items()
             if r["ctx"]._should_stop or r["channel"].cancelled
         ]
-        stopped = engine.share_object(stopped)
+        # (Rank 0's, on every rank: they leave the batch at the same step.)
+        stopped = engine.share_object(stopped or None)
         if not stopped:
             return
         # Work done for a request in decode stays useful: its cache covers
@@ -1761,7 +1911,9 @@ class _Batch:
                 try:
                     engine.store.insert(self.model_key, self._key(uid, tokens), cache,
                                         "generated", reply_start=self._reply_start(uid))
-                except Exception:
+                except Exception as e:
+                    if engine._is_distributed and ends_the_group(e):
+                        raise  # (the step's guard: _run ends the group)
                     # Only this cancelled request's entry is lost.
                     logging.exception("Could not store a cancelled request's cache")
             result = self.results.pop(uid, None)
@@ -1775,7 +1927,7 @@ class _Batch:
                 engine.observe("removal_seconds", waits[-1])
         del kept
         logging.info(
-            f"Removed {len(stopped)} cancelled request(s) from the batch"
+            f"Removed {len(stopped)} cancelled request(s) from the batch at step {engine.steps}"
             + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")
         )
 

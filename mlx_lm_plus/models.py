@@ -254,6 +254,16 @@ def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]
     return image_path(key[0], sequential)
 
 
+def read_config(model_path) -> dict:
+    """A model's config.json, its small files fetched first where it is a
+    Hugging Face repo (the first step of mlx-lm's sharded_load); raises
+    where they can't be had."""
+    from mlx_lm.utils import _download
+
+    folder = _download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"])
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
 def group_max(values: List[int]) -> List[int]:
     """Each value's largest over the ranks of the mx.distributed group: how
     the ranks agree on a decision each could make apart, from its own share

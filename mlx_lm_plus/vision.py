@@ -660,7 +660,7 @@ def _support_class(model_type):
     return Gemma3Vision if model_type == "gemma3" else Idefics3Vision
 
 
-def load_vlm(model_path: str):
+def load_vlm(model_path: str, lazy: bool = False):
     """(mlx-vlm's model, its processor, config.json, mlx-lm's tokenizer) of a
     local vision-language folder."""
     from mlx_vlm import load as vlm_load
@@ -670,7 +670,7 @@ def load_vlm(model_path: str):
     # network. Offline for this load only: other loads (--allow-model-loading
     # of a repo name) may still download.
     with _hub_offline():
-        vlm, processor = vlm_load(model_path)
+        vlm, processor = vlm_load(model_path, lazy=lazy)
     config = json.loads((Path(model_path) / "config.json").read_text())
     return vlm, processor, config, load_vlm_tokenizer(model_path, config, processor)
 
@@ -687,7 +687,9 @@ def splits_across_ranks(model_path) -> bool:
 def load_vision_model(model_path: str, tensor_group=None, pipeline_group=None):
     """(text model, mlx-lm tokenizer, VisionSupport) for a local VLM folder;
     under mx.distributed (a group: splits_across_ranks) each rank's part."""
-    vlm, processor, config, tokenizer = load_vlm(model_path)
+    split = tensor_group is not None or pipeline_group is not None
+    # (Split: loaded lazily, so that a host reads only what it keeps.)
+    vlm, processor, config, tokenizer = load_vlm(model_path, lazy=split)
     model_type = config["model_type"]
     if model_type in HYBRID_VISION_MODEL_TYPES:
         lm = _mlx_lm_sharing_weights(model_path, vlm)
@@ -696,12 +698,13 @@ def load_vision_model(model_path: str, tensor_group=None, pipeline_group=None):
         elif pipeline_group is not None:
             lm.language_model.model.pipeline(pipeline_group)
         text_model = HybridTextModel(lm, vlm)
-        if tensor_group is not None or pipeline_group is not None:
-            # mlx-vlm's copy of the language model's layers serves nothing
-            # from here on (its embeddings do, for the image merge): let its
-            # weights go, so that each host keeps only its part.
+        if split:
+            # mlx-vlm's language layers and head serve nothing from here on
+            # (its embeddings do, for the image merge): dropped before
+            # anything is read, each host holds only its part of them.
             vlm.language_model.model.layers = []
-            mx.eval(lm.parameters())
+            vlm.language_model.pop("lm_head", None)
+            mx.eval(lm.parameters(), vlm.parameters())
             # (As mlx-lm's sharded_load: every rank loaded before any runs.)
             mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))
     elif model_type in MROPE_VISION_MODEL_TYPES:

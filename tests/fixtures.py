@@ -31,8 +31,10 @@ from pathlib import Path
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Larger random models for benchmarks only (not sensitivity-tuned).
 BENCHMARK_KINDS = ("qwen3_mid",)
-# An attention model mlx-lm can pipeline (`--pipeline` across ranks).
-PIPELINE_KINDS = ("qwen2",)
+# Models mlx-lm can pipeline (`--pipeline` across ranks): attention, and a
+# hybrid whose two layers split into a rank of attention alone and a rank of
+# the recurrent layer alone (their caches differ in kind: trimmable or not).
+PIPELINE_KINDS = ("qwen2", "qwen3_5_split")
 # Kinds whose batching is broken in mlx-lm 0.32.2 without patches/.
 PATCHED_KINDS = ("nemotron_h", "mamba", "jamba", "olmo_hybrid")
 SPECIAL_TOKENS = [
@@ -178,10 +180,10 @@ def _config(kind: str, vocab: int) -> dict:
             rope_local_base_freq=10000.0,
             **attn,
         )
-    if kind == "qwen3_5":
+    if kind in ("qwen3_5", "qwen3_5_split"):
         return dict(
             model_type="qwen3_5",
-            num_hidden_layers=4,
+            num_hidden_layers=4 if kind == "qwen3_5" else 2,
             full_attention_interval=2,
             linear_num_value_heads=4,
             linear_num_key_heads=2,
@@ -307,7 +309,7 @@ def _make_usable(weights: dict, special_ids, kind: str) -> dict:
         if kind in ("llama", "qwen2") and name.endswith(("q_proj.weight", "k_proj.weight")):
             # No q/k norms to sharpen: sharpen the projections instead.
             w = w * 1.5
-        if kind == "qwen3_5" and name.endswith("A_log"):
+        if kind.startswith("qwen3_5") and name.endswith("A_log"):
             # Slow decay: the gated delta rule keeps early tokens longer.
             w = mx.full(w.shape, -3.0)
         if kind in ("mamba2", "nemotron_h"):

@@ -80,3 +80,51 @@ def test_ring_two_ranks_same_answers_as_upstream(fixture_path, tmp_path):
             assert s.get("/health") == (200, {"status": "ok"})
     assert results["mlx_lm_plus.server"] == results["mlx_lm.server"]
     assert all(results["mlx_lm.server"])
+
+
+def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
+    """What rank 0 hands the other ranks unpickles there (a chat with a
+    decoded image, tools, a forced call and a JSON schema, a completion);
+    anything else on the ring's unauthenticated TCP is refused (a function,
+    a class that is not part of a request), never run."""
+    import base64
+    import io
+    import os
+    import pickle
+    import subprocess
+
+    from PIL import Image
+
+    from mlx_lm_plus.constraints import ForcedToolCall, Grammar, StrictToolCalls
+    from mlx_lm_plus.engine import _unpickle
+    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.vision import decode_images
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    args = parse_args(["--model", str(fixture_path("qwen3"))])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = parse_request("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}],
+        "tools": tools, "logit_bias": {"3": 1.0}, "stop": ["x"], "seed": 3,
+        "logprobs": True, "top_logprobs": 2}, args)
+    chat.request.images = decode_images([url], None)
+    completion = parse_request("/v1/completions", {"prompt": "hi", "max_tokens": 3}, args)
+    for constraint in (Grammar('{"type": "object"}', "json_schema", {"type": "object"}),
+                       ForcedToolCall(tools, "f"), StrictToolCalls(tools), None):
+        chat.request.constraint = constraint
+        for parsed in (chat, completion):
+            sent = (parsed.request, parsed.args)
+            got = _unpickle(pickle.dumps(sent))
+            assert got == sent
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/pwned-by-the-ring",))
+
+    for evil in (Payload(), subprocess.Popen, eval, pickle.Unpickler):
+        with pytest.raises(pickle.UnpicklingError, match="is not part of a request"):
+            _unpickle(pickle.dumps(evil))

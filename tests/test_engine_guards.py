@@ -159,25 +159,32 @@ def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path)
 
 
 @pytest.mark.parametrize("path", ["batched", "sequential"])
-def test_an_allocation_failure_of_a_rank_ends_the_group(fixture_path, monkeypatch, path):
-    """Under mx.distributed an allocation failure is one host's: the other
-    ranks went on with the step this one gave up, and a rank out of step
-    garbles or hangs every collective after it. So it ends the group, as a
-    lost host does: the request a 503 naming it, /health the reason, exit 70."""
+@pytest.mark.parametrize("message,reason", [
+    ("[metal::malloc] Unable to allocate 1024 bytes.", "out of memory on a rank"),
+    ("[metal::Device] Attempting to allocate 8 bytes which is greater than the maximum "
+     "allowed buffer size of 4 bytes.", "an error on a rank")])
+def test_an_mlx_error_on_a_rank_ends_the_group(fixture_path, monkeypatch, path,
+                                               message, reason):
+    """Under mx.distributed an error of MLX's is one host's (its memory, its
+    Metal's buffer limit, which differ between Macs): the other ranks went
+    on with the step this one gave up, and a rank out of step garbles or
+    hangs every collective after it. So it ends the group, as a lost host
+    does: the request a 503 naming it, /health the reason, exit 70. (On a
+    group of one: the engine's handling, not the collectives.)"""
     r = EngineRunner(fixture_path("qwen3"), argv=["--watchdog-grace", "0"], as_a_rank=True)
     try:
         assert r.run(chat("warm up", max_tokens=4))[0]
-        fail_next_model_call(r, monkeypatch, "[metal::malloc] Unable to allocate 1024 bytes.")
-        body = chat("This one runs out of memory", max_tokens=4, **(
+        fail_next_model_call(r, monkeypatch, message)
+        body = chat("This one fails on one host", max_tokens=4, **(
             {"seed": 1} if path == "sequential" else {}))
         with pytest.raises(engine_module.EngineUnavailable,
-                           match="Generation engine unavailable: out of memory"):
+                           match=f"Generation engine unavailable: {reason}"):
             r.run(body)
         deadline = time.monotonic() + 30
         while not r.exits and time.monotonic() < deadline:
             time.sleep(0.05)
         assert r.exits == [engine_module.HANG_EXIT_STATUS]
-        assert "out of memory under mx.distributed" in r.engine.unhealthy_reason
+        assert f"{reason} of the distributed group" in r.engine.unhealthy_reason
         assert r.engine.restarts == 0  # (never a loop restarted on one rank)
     finally:
         r.close()
