@@ -87,8 +87,17 @@ def run(cli_args):
         # when rank 0 does (it tells them at a hand-off, once its requests
         # have drained): a signal to the whole group (mlx.launch's Ctrl-C)
         # must not take a rank from under rank 0's drain.
+        signals = []
+
+        def stop_with_rank_0(*_):
+            # (A second one: rank 0 is gone or stuck, and this rank with it.)
+            signals.append(1)
+            if len(signals) > 1:
+                engine.exit_process(HANG_EXIT_STATUS)
+            logging.info("Stopping when rank 0 does (again to stop now)")
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: logging.info("Stopping when rank 0 does"))
+            signal.signal(sig, stop_with_rank_0)
         engine.join()
         if engine.hung:  # (the group is down: this rank exits as rank 0 does)
             engine.exit_process(HANG_EXIT_STATUS)

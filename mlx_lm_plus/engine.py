@@ -73,7 +73,7 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 from patches import apply_all as _apply_patches
 
 from .cache import PromptStore, cache_nbytes, is_plain_kv
-from .models import group_max, read_config
+from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
 from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
@@ -94,6 +94,9 @@ PARK_MIN_TOKENS = 32
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
+# The places of the loop where rank 0 hands something to the other ranks
+# (checked alike on every rank, as the count of hand-offs is).
+HANDOFF_REQUEST, HANDOFF_STOPPED = 1, 2
 # What a request taken off the queue waits for (Engine._readiness): nothing
 # (READY); a model load on the loader thread (LOADING: later requests may go
 # first); a model that must go idle to make room for its own (ROOM: later
@@ -266,7 +269,7 @@ _HANDED_OFF_CLASSES = {
     ("mlx_lm_plus.validation", "Request"), ("mlx_lm_plus.vision", "DecodedImage"),
     ("mlx_lm_plus.constraints", "Grammar"), ("mlx_lm_plus.constraints", "ForcedToolCall"),
     ("mlx_lm_plus.constraints", "StrictToolCalls"), ("PIL.Image", "Image"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
+    ("builtins", "set"), ("builtins", "frozenset"),
 }
 
 
@@ -579,6 +582,8 @@ class Engine:
             self.store.clear()
             self._clear_buffers = True
             return self.store.snapshot()
+        if not self.is_healthy:
+            raise self._unavailable()
         with self._clear_lock:
             if self._clear_wanted is None:
                 self._clear_wanted = Future()
@@ -672,14 +677,16 @@ class Engine:
 
     # -- distributed hand-off (rank 0 reads HTTP requests, all ranks compute) --
 
-    def share_object(self, obj):
-        """Rank 0's `obj` on every rank (None: nothing to share)."""
+    def share_object(self, obj, site: int):
+        """Rank 0's `obj` on every rank (None: nothing to share), at hand-off
+        `site` (a number of its own for each place of the loop)."""
         if not self._is_distributed:
             return obj
-        data = self._share(pickle.dumps(obj) if self._rank == 0 and obj is not None else b"")
+        data = self._share(pickle.dumps(obj) if self._rank == 0 and obj is not None else b"",
+                           site)
         return obj if self._rank == 0 or data is None else _unpickle(data)
 
-    def _share(self, data: bytes) -> Optional[bytes]:
+    def _share(self, data: bytes, site: int) -> Optional[bytes]:
         """Rank 0's pickled `data` on every rank (None: none), after a header
         that every rank checks: each rank's count of these hand-offs (all
         alike, or the ranks went out of step: GroupDiverged ends the group
@@ -689,16 +696,19 @@ class Engine:
         first = self._rank == 0
         clear = self._clear_wanted if first else None
         # (Sums: the ring's all_sum hangs less often than its all_max when
-        # a peer dies mid-collective. The counts are alike on every rank
-        # when n * sum(t^2) == sum(t)^2; t kept small, so no sum overflows.)
+        # a peer dies mid-collective. A count, or a site, is alike on every
+        # rank when n * sum(x^2) == sum(x)^2; the count kept small, so no
+        # sum overflows.)
         turn = self._handoffs % (1 << 20)
-        size, turns, squares, clock, stop, clearing = mx.distributed.all_sum(mx.array([
-            len(data) if first else 0, turn, turn * turn,
-            int(time.monotonic() * 1e6) if first else 0, int(self._stop) if first else 0,
-            int(clear is not None)], dtype=mx.int64)).tolist()
-        if self._group_size * squares != turns * turns:
-            raise GroupDiverged(f"hand-off {self._handoffs} on rank {self._rank}: the "
-                                f"ranks are at different ones")
+        size, turns, squares, sites, site_squares, clock, stop, clearing = \
+            mx.distributed.all_sum(mx.array([
+                len(data) if first else 0, turn, turn * turn, site, site * site,
+                int(time.monotonic() * 1e6) if first else 0, int(self._stop) if first else 0,
+                int(clear is not None)], dtype=mx.int64)).tolist()
+        n = self._group_size
+        if n * squares != turns * turns or n * site_squares != sites * sites:
+            raise GroupDiverged(f"hand-off {self._handoffs} (at {site}) on rank "
+                                f"{self._rank}: the ranks are at different ones")
         self.group_clock = clock / 1e6
         if stop:
             self._stop = self._group_stopped = True
@@ -734,13 +744,13 @@ class Engine:
             except Exception as e:
                 request[0].put(InternalError(f"Could not hand the request to the other "
                                              f"ranks: {e!r}"))
-                request = None
+                request, data = None, b""
         # A collective: it waits for every rank (a dead one hangs it).
         self._beat("sharing requests with the other ranks")
         # Held here while it is handed off, so a lost group answers it.
         self._handing_off = request[0] if request is not None else None
         try:
-            data = self._share(data)
+            data = self._share(data, HANDOFF_REQUEST)
             # (Rank 0 keeps its own; the others get a sink for the channel.)
             shared = request[1:] if request is not None else (
                 None if data is None else _unpickle(data))
@@ -1221,9 +1231,9 @@ class Engine:
         if lm is None:
             if self._loading is not None:
                 return LOADING
-            missing = self._missing_on_a_rank(key) if self._is_distributed else None
-            if missing is not None:
-                return missing  # (before the model loaded makes room for it)
+            unloadable = self._unloadable(request, key) if self._is_distributed else None
+            if unloadable is not None:
+                return unloadable  # (before the model loaded makes room for it)
             room = self._make_room(key)
             return self._start_load(key) if room is READY else room
         if getattr(req, "count_only", False) or self._is_batchable(lm, req, args):
@@ -1267,7 +1277,7 @@ class Engine:
         mx.distributed, where every rank must have it at the same step."""
         if self._is_distributed:
             # (A load that fails on one rank leaves the others in its
-            # collectives: the group ends. _missing_on_a_rank came first.)
+            # collectives: the group ends. _unloadable came first.)
             self._beat("loading a model", self._load_limit())
             try:
                 lm = self.model_provider.load(key)
@@ -1281,20 +1291,34 @@ class Engine:
                          time.monotonic())
         return LOADING
 
-    def _missing_on_a_rank(self, key) -> Optional[ModelLoadError]:
-        """Under mx.distributed every rank must have a model's folder before
-        any loads it: where one can't read its config, none does (a 404)."""
-        self._beat("looking for a model on every rank", self._load_limit())
-        try:
-            read_config(key[0])
-            missing = None
-        except Exception as e:
-            missing = e
-        if not group_max([missing is not None])[0]:
+    def _unloadable(self, request, key) -> Optional[ModelLoadError]:
+        """Under mx.distributed every rank must be able to load a model
+        before any starts to (a load that fails on one rank leaves the others
+        in its collectives): no adapter or draft model (not in distributed
+        mode, as upstream), and on every rank a config.json (the same one),
+        of a family mlx-lm has, and weights. Else a 404 on every rank, before
+        the model loaded makes room. Looked at once per request (set aside,
+        it is looked at again every loop turn, alike on every rank)."""
+        channel = request[0]
+        if getattr(channel, "loadable", None) == key:
             return None
-        logging.error(f"Can't load {key[0]}: {missing or 'missing on another rank'}")
-        return ModelLoadError(f"Can't load {key[0]}: "
-                              f"{missing or 'it is missing on another rank'}")
+        self._beat("looking for a model on every rank")
+        problem, fingerprint = None, 0
+        try:
+            if key[1] is not None or key[2] is not None:
+                raise ValueError("Loading with adapters or draft models not supported in "
+                                 "distributed mode")
+            fingerprint = loadable_fingerprint(key[0])
+        except Exception as e:
+            problem = e
+        failed, most, minus_least = group_max([problem is not None, fingerprint, -fingerprint])
+        if not failed and most == -minus_least:
+            channel.loadable = key
+            return None
+        why = problem or ("another rank can't load it" if failed
+                          else "its config.json differs between the ranks")
+        logging.error(f"Can't load {key[0]}: {why}")
+        return ModelLoadError(f"Can't load {key[0]}: {why}")
 
     def _load_limit(self) -> Optional[tuple]:
         """How long a load under mx.distributed may take (a rank lost during
@@ -1872,8 +1896,10 @@ class _Batch:
             self._remove_stopped()
             return self._step()
         except Exception as e:
-            if self.engine._is_distributed and ends_the_group(e):
-                raise  # (the whole group is down: Engine._run ends it)
+            if self.engine._is_distributed:
+                # (A step's error may be one rank's: its own layers, its
+                # memory. The others went on: the whole group ends.)
+                raise
             self._flush()  # what the step produced comes before the error
             self._fail_all(e)
             return False
@@ -1897,7 +1923,7 @@ class _Batch:
             if r["ctx"]._should_stop or r["channel"].cancelled
         ]
         # (Rank 0's, on every rank: they leave the batch at the same step.)
-        stopped = engine.share_object(stopped or None)
+        stopped = engine.share_object(stopped or None, HANDOFF_STOPPED)
         if not stopped:
             return
         # Work done for a request in decode stays useful: its cache covers

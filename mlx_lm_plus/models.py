@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -254,14 +255,20 @@ def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]
     return image_path(key[0], sequential)
 
 
-def read_config(model_path) -> dict:
-    """A model's config.json, its small files fetched first where it is a
-    Hugging Face repo (the first step of mlx-lm's sharded_load); raises
-    where they can't be had."""
-    from mlx_lm.utils import _download
+def loadable_fingerprint(model_path) -> int:
+    """What the ranks of mx.distributed agree on before any loads a model:
+    raises where this host can't (no config.json, a family mlx-lm lacks, a
+    local folder without weights), else the CRC of its config.json (the
+    same model on every host). Its small files are fetched first where it is
+    a Hugging Face repo, as mlx-lm's sharded_load does."""
+    from mlx_lm.utils import _download, _get_classes
 
-    folder = _download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"])
-    return json.loads((Path(folder) / "config.json").read_text())
+    folder = Path(_download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"]))
+    raw = (folder / "config.json").read_bytes()
+    _get_classes(json.loads(raw))
+    if Path(model_path).is_dir() and not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"no weights (*.safetensors) in {folder}")
+    return zlib.crc32(raw)
 
 
 def group_max(values: List[int]) -> List[int]:

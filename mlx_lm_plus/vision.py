@@ -337,8 +337,14 @@ def decode_image(url: str, max_pixels: Optional[int] = None):
             scale = (max_pixels / (width * height)) ** 0.5
             size = (max(1, int(width * scale)), max(1, int(height * scale)))
             image.draft("RGB", size)  # JPEG: decode at a reduced scale
-            return image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
-        return image.convert("RGB")
+            out = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+        else:
+            out = image.convert("RGB")
+    # The pixels only: the file's metadata (EXIF rationals, PNG text chunks)
+    # serves nothing past here, and is no part of a request the other ranks
+    # of mx.distributed unpickle.
+    out.info = {}
+    return out
 
 
 @dataclass

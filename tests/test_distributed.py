@@ -111,7 +111,21 @@ def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
             {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}],
         "tools": tools, "logit_bias": {"3": 1.0}, "stop": ["x"], "seed": 3,
         "logprobs": True, "top_logprobs": 2}, args)
-    chat.request.images = decode_images([url], None)
+    # Photos and screenshots carry metadata PIL keeps in `info` (EXIF
+    # rationals, PNG text chunks): none of it is handed on.
+    from PIL import PngImagePlugin
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # (rotated: the orientation path)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 6), (9, 9, 9)).save(jpeg, format="JPEG", exif=exif, dpi=(72.5, 72.5))
+    text = PngImagePlugin.PngInfo()
+    text.add_itxt("XML:com.adobe.xmp", "<x:xmpmeta/>")
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (5, 5, 5)).save(png, format="PNG", pnginfo=text)
+    urls = [url] + [f"data:image/{kind};base64," + base64.b64encode(b.getvalue()).decode()
+                    for kind, b in (("jpeg", jpeg), ("png", png))]
+    chat.request.images = decode_images(urls, None)
     completion = parse_request("/v1/completions", {"prompt": "hi", "max_tokens": 3}, args)
     for constraint in (Grammar('{"type": "object"}', "json_schema", {"type": "object"}),
                        ForcedToolCall(tools, "f"), StrictToolCalls(tools), None):

@@ -131,6 +131,22 @@ def until_logged(server, rank: int, what: str, n: int, timeout: float = 30) -> s
         time.sleep(0.1)
 
 
+def test_three_hosts_pipelined_answer_as_one_process(fixture_path, tmp_path):
+    """Three hosts, a layer each (the 3-layer qwen2): the same texts and
+    cached tokens as one process, and every rank ran its own layer."""
+    model = str(fixture_path("qwen2"))
+    with ServerProcess(OURS, ["--model", model], log=tmp_path / "one.log") as one:
+        expected = workload(one)
+    with netns.Hosts(3) as hosts:
+        with netns.RankServer(hosts, ["--model", model, "--pipeline",
+                                      "--distributed-timeout", "30"], tmp_path) as three:
+            got = workload(three)
+            for rank, layer in enumerate((2, 1, 0)):
+                assert (f"on rank {rank} of 3: pipelined, layers {layer}-{layer} here"
+                        in three.log(rank))
+    assert got == expected
+
+
 @pytest.mark.parametrize("extra", [[], ["--pipeline"]])
 def test_an_image_conversation_across_hosts(hosts, fixture_path, tmp_path, extra):
     """Qwen3.5 with vision: its language model (mlx-lm's) split across the
@@ -220,35 +236,43 @@ def eviction_workload():
     return out
 
 
-def test_a_model_missing_on_one_host_is_a_404(hosts, fixture_path, tmp_path):
-    """A model one host lacks: no rank loads it (had rank 0 loaded, it would
-    wait in the load's collectives for a rank that gave up): 404, and the
-    group goes on serving. (`ip netns exec` lays /etc/netns/NAME/X over
-    /etc/X for that namespace alone: rank 1 sees an empty folder.)"""
+@pytest.mark.parametrize("case,reason", [
+    ("missing on rank 1", "another rank can't load it"),
+    ("another model on rank 1", "its config.json differs between the ranks"),
+    ("a draft model", "not supported in distributed mode")])
+def test_a_model_a_rank_cant_load_is_a_404(hosts, fixture_path, tmp_path, case, reason):
+    """Every rank looks before any loads (had one started, it would wait in
+    the load's collectives for a rank that gave up): a model one host lacks,
+    a different model at the same path, a draft model (not in distributed
+    mode, as upstream) are a 404, and the group goes on serving the model it
+    had, its prompt cache too. (`ip netns exec` lays /etc/netns/NAME/X over
+    /etc/X for that namespace alone: rank 1 sees another folder.)"""
     import shutil
 
     folder = Path(f"/etc/mlx_lm_plus_test_{os.getpid()}")
-    hidden = Path("/etc/netns") / hosts.names[1] / folder.name
+    other = Path("/etc/netns") / hosts.names[1] / folder.name
     try:
         shutil.copytree(fixture_path("llama"), folder)
-        hidden.mkdir(parents=True)
+        if case == "another model on rank 1":
+            shutil.copytree(fixture_path("qwen3"), other)
+        else:
+            other.mkdir(parents=True)
         two = netns.RankServer(hosts, ["--model", str(fixture_path("qwen3")),
                                        "--allow-model-loading"], tmp_path)
         with two:
             sea = [{"role": "user", "content": "Tell me about the sea."}]
             before = chat(two, sea)
-            status, r = two.post("/v1/chat/completions", {
-                "model": str(folder), "messages": sea, "max_tokens": 4})
-            assert status == 404, r
-            assert "missing on another rank" in json.dumps(r), r
-            # (Looked for before the model loaded made room: still there,
-            # its prompt cache too.)
+            named = ({"model": str(fixture_path("qwen3")), "draft_model": str(folder)}
+                     if case == "a draft model" else {"model": str(folder)})
+            status, r = two.post("/v1/chat/completions",
+                                 {**named, "messages": sea, "max_tokens": 4})
+            assert status == 404 and reason in json.dumps(r), r
             again = chat(two, sea)
             assert again[0] == before[0] and again[1] > 0, (before, again)
             assert "Unloaded" not in two.log(0)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(hidden.parent, ignore_errors=True)
+        shutil.rmtree(other.parent, ignore_errors=True)
 
 
 @pytest.mark.parametrize("signalled", [[0], [0, 1]])

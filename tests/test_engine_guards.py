@@ -190,6 +190,31 @@ def test_an_mlx_error_on_a_rank_ends_the_group(fixture_path, monkeypatch, path,
         r.close()
 
 
+class NotPartOfARequest:
+    """A class the other ranks refuse to unpickle."""
+
+
+def test_a_request_the_other_ranks_would_refuse_fails_alone(fixture_path):
+    """Rank 0 unpickles what it would hand the other ranks first: a request
+    they would refuse gets a 500 of its own, and nothing goes out (sent, the
+    refusal on every rank would end the group)."""
+    from mlx_lm_plus.validation import parse_request
+
+    r = EngineRunner(fixture_path("qwen3"), as_a_rank=True)
+    try:
+        parsed = parse_request("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, r.args)
+        parsed.request.tool_choice = NotPartOfARequest()
+        channel = Collect()
+        r.engine.submit(channel, parsed.request, parsed.args)
+        with pytest.raises(InternalError, match="Could not hand the request to the other"):
+            channel.result()
+        assert len(r.run(chat("and this one", max_tokens=3))[0]) == 3
+        assert r.engine.is_healthy and not r.exits
+    finally:
+        r.close()
+
+
 def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
     """Metal's per-buffer limit can never be met by retrying: 400, and the
     prompt cache is not given up for it."""
