@@ -38,6 +38,7 @@ BatchGenerator; the others are served one at a time by `_serve_single` with
 
 import copy
 import gc
+import io
 import itertools
 import logging
 import math
@@ -281,8 +282,6 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _unpickle(data: bytes):
-    import io
-
     return _Unpickler(io.BytesIO(data)).load()
 
 
@@ -687,11 +686,11 @@ class Engine:
         return obj if self._rank == 0 or data is None else _unpickle(data)
 
     def _share(self, data: bytes, site: int) -> Optional[bytes]:
-        """Rank 0's pickled `data` on every rank (None: none), after a header
-        that every rank checks: each rank's count of these hand-offs (all
-        alike, or the ranks went out of step: GroupDiverged ends the group
-        before garbage is served), rank 0's clock (the one every rank's store
-        reads) and whether rank 0 is stopping."""
+        """Rank 0's pickled `data` on every rank (None: none), after a header:
+        each rank's count of hand-offs and `site`, checked alike on every
+        rank (else the ranks went out of step: GroupDiverged ends the
+        group); rank 0's clock (the one every rank's store reads); whether
+        rank 0 stops; whether it was asked to clear the prompt cache."""
         self._handoffs += 1
         first = self._rank == 0
         clear = self._clear_wanted if first else None
@@ -1320,7 +1319,7 @@ class Engine:
         logging.error(f"Can't load {key[0]}: {why}")
         return ModelLoadError(f"Can't load {key[0]}: {why}")
 
-    def _load_limit(self) -> Optional[tuple]:
+    def _load_limit(self) -> tuple:
         """How long a load under mx.distributed may take (a rank lost during
         it leaves the others in its collectives)."""
         limit = self.cli_args.model_load_timeout

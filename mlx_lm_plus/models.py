@@ -374,9 +374,7 @@ class LoadedModel(UpstreamModelProvider):
             logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
                          "image requests batch with text requests")
             if self.is_distributed:
-                group = self.pipeline_group or self.tensor_group
-                logging.info(f"Loaded {model_path} on rank {group.rank()} of {group.size()}: "
-                             f"{_sharding(model.lm)}, the vision tower whole")
+                self._log_part(model_path, model.lm, ", the vision tower whole")
         else:
             logging.info(
                 f"Loaded {model_path} as a vision-language model ({processor.model_type}) "
@@ -384,20 +382,24 @@ class LoadedModel(UpstreamModelProvider):
                 "the prompt cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                 "Gemma 3, Idefics3, SmolVLM)")
 
+    def _log_part(self, model_path, model, extra: str = ""):
+        """Which part of mlx-lm's `model` this rank of mx.distributed holds."""
+        group = self.pipeline_group or self.tensor_group
+        logging.info(f"Loaded {model_path} on rank {group.rank()} of {group.size()}: "
+                     f"{_sharding(model)}{extra}")
+
     def _load_text(self, model_path, adapter_path, draft_model_path):
         if self.is_distributed and (adapter_path is not None
                                     or draft_model_path is not None):
             raise ValueError("Loading with adapters or draft models not supported in "
                              "distributed mode")
         if self.is_distributed:
-            group = self.pipeline_group or self.tensor_group
             model, tokenizer, config = upstream.sharded_load(
                 model_path, pipeline_group=self.pipeline_group,
                 tensor_group=self.tensor_group, return_config=True,
                 tokenizer_config=self._tokenizer_config,
                 trust_remote_code=self.cli_args.trust_remote_code)
-            logging.info(f"Loaded {model_path} on rank {group.rank()} of {group.size()}: "
-                         + _sharding(model))
+            self._log_part(model_path, model)
         else:
             model, tokenizer, config = upstream.load(
                 model_path, adapter_path=adapter_path, tokenizer_config=self._tokenizer_config,
