@@ -964,8 +964,8 @@ class Engine:
         byte budget against the request's growing cache."""
         def progress(done, total):
             self._beat("a prefill chunk")
-            if channel.cancelled and not self._is_distributed:
-                raise _Cancelled
+            if self._gone(channel):
+                raise _Cancelled(done)
             channel.put((done, total))
             self._tick()
             self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
@@ -1058,6 +1058,14 @@ class Engine:
         # checkpoints, all store them alike.)
         return self._per_model(lm, "checkpoints", lambda: not self._on_every_rank(
             not self._needs_checkpoints(lm.model)))
+
+    def _gone(self, channel) -> bool:
+        """Whether the request's client went away. Only rank 0 sees it: under
+        mx.distributed every rank asks at the same point (a collective) and
+        gets rank 0's answer, so that all let the request go together."""
+        if not self._is_distributed:
+            return channel.cancelled
+        return bool(group_max([channel.cancelled])[0])
 
     def _on_every_rank(self, fact: bool) -> bool:
         """Whether `fact`, true on this rank, is on every rank of the group
@@ -1222,7 +1230,7 @@ class Engine:
 
     def _find_readiness(self, request):
         channel, req, args = request
-        if channel.cancelled and not self._is_distributed:
+        if self._gone(channel):
             return READY  # (_admit lets it go)
         provider = self.model_provider
         key = provider.key_for(args.model)
@@ -1451,9 +1459,7 @@ class Engine:
         """Admit a request whose model is loaded: into that model's batch
         (started if it has none), or the sequential path."""
         channel, req, args = request
-        # (Under mx.distributed every rank has already taken it; it leaves
-        # the batch at the next step instead.)
-        if channel.cancelled and not self._is_distributed:
+        if self._gone(channel):
             channel.removed()
             return
         lm = self.model_provider.get(self.model_provider.key_for(args.model))
@@ -1512,9 +1518,10 @@ class Engine:
             try:
                 cache, ctx.prompt_cache_count, cached = self._resume(
                     lm, plan, segments, cache, cached, channel)
-            except _Cancelled:
+            except _Cancelled as stopped:
                 channel.removed()
-                logging.info("Stopped the image prefill of a cancelled request")
+                logging.info(f"Stopped the image prefill of a cancelled request at prompt "
+                             f"token {stopped.args[0]}")
                 return None
             except Exception as e:
                 if self._is_distributed and ends_the_group(e):
@@ -1636,14 +1643,15 @@ class Engine:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
             self.log_store()
-        except _Cancelled:
+        except _Cancelled as stopped:
             channel.removed()
-            self.observe("removal_seconds", channel.removed_at - channel.cancelled_at)
-            logging.info(
-                "Stopped the prefill of a cancelled request, "
-                f"{(channel.removed_at - channel.cancelled_at) * 1000:.1f} ms after "
-                "the disconnect"
-            )
+            after = ""
+            if channel.cancelled_at is not None:  # (rank 0's: it saw the client go)
+                waited = channel.removed_at - channel.cancelled_at
+                self.observe("removal_seconds", waited)
+                after = f", {waited * 1000:.1f} ms after the disconnect"
+            logging.info(f"Stopped the prefill of a cancelled request at prompt token "
+                         f"{stopped.args[0]}{after}")
         except Exception as e:
             if self._is_distributed and ends_the_group(e):
                 raise  # (the admission guard answers it; _run ends the group)

@@ -119,14 +119,38 @@ def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, ex
             else "tensor-parallel")) in two.log(rank)
 
 
-def until_logged(server, rank: int, what: str, n: int, timeout: float = 30) -> str:
-    """The n-th log line of `rank` about `what`, from "at step" on (the step
-    it names), waited for."""
+def test_a_client_gone_during_a_prefill_stops_it_on_every_rank(hosts, fixture_path,
+                                                                tmp_path):
+    """A sequential (seeded) request with a long prompt, prefilled in small
+    chunks: its client goes during the prefill, and every rank stops it at
+    the same chunk (only rank 0 sees the client: they ask it together), then
+    goes on serving."""
+    two = netns.RankServer(hosts, ["--model", str(fixture_path("qwen3")),
+                                   "--prefill-step-size", "8"], tmp_path)
+    with two:
+        long = " ".join(f"Line {i} is about rivers and boats." for i in range(200))
+        body = {"messages": [{"role": "user", "content": long}], "max_tokens": 8,
+                "stream": True, "seed": 2}
+        req = urllib.request.Request(two.url + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.readline()
+        stops = [until_logged(two, rank, "Stopped the prefill of a cancelled", 1,
+                              after=" at prompt token ") for rank in (0, 1)]
+        assert stops[0] == stops[1] and 0 < int(stops[0]) < 1000, stops
+        assert chat(two, [{"role": "user", "content": "Still there?"}])[0]
+
+
+def until_logged(server, rank: int, what: str, n: int, timeout: float = 30,
+                 after: str = " at step ") -> str:
+    """The n-th log line of `rank` about `what`, from `after` on (the step,
+    or the token, it names), waited for."""
     deadline = time.time() + timeout
     while True:
         lines = [line for line in server.log(rank).splitlines() if what in line]
         if len(lines) >= n:
-            return lines[n - 1].partition(" at step ")[2].split(",")[0]
+            return lines[n - 1].partition(after)[2].split(",")[0]
         assert time.time() < deadline, f"rank {rank} did not log {what!r} {n} times"
         time.sleep(0.1)
 
