@@ -310,13 +310,14 @@ def test_rank_0_stopping_stops_the_group(hosts, fixture_path, tmp_path, signalle
     two = netns.RankServer(hosts, ["--model", str(fixture_path("qwen3"))], tmp_path)
     with two:
         result = {}
-        thread = long_request(two, result, max_tokens=300)
+        thread = long_request(two, result, max_tokens=1000)
         time.sleep(0.3)
         for rank in signalled:
             os.kill(two.procs[rank].pid, signal.SIGTERM)
         thread.join(60)
         assert result["status"] == 200, result  # (answered whole, before the stop)
         assert two.wait_all(60) == [0, 0], two.log(1)[-2000:]
+    assert "Stopping: 1 request(s) in flight" in two.log(0)  # (it was, at the signal)
     assert "Server stopped" in two.log(1)
 
 
