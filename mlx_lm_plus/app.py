@@ -93,10 +93,14 @@ def run(cli_args):
             # (A second one: rank 0 is gone or stuck, and this rank with it.)
             signals.append(1)
             if len(signals) > 1:
+                logging.critical(f"Stopping now, without rank 0: exiting with status "
+                                 f"{HANG_EXIT_STATUS}")
+                logging.shutdown()
                 engine.exit_process(HANG_EXIT_STATUS)
             logging.info("Stopping when rank 0 does (again to stop now)")
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # (SIGHUP too: a remote rank's ssh session hangs up on a Ctrl-C.)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, stop_with_rank_0)
         engine.join()
         if engine.hung:  # (the group is down: this rank exits as rank 0 does)

@@ -448,6 +448,7 @@ class Engine:
             channel.put(error)
             channel.cancel()
         self._fail_queue(error)
+        self._fail_clear(error)
         time.sleep(grace)
         logging.critical(f"Watchdog: exiting with status {HANG_EXIT_STATUS}")
         logging.shutdown()
@@ -593,6 +594,13 @@ class Engine:
             raise EngineUnavailable("Generation engine unavailable: the distributed group "
                                     "did not clear the prompt cache within 60 s")
         return self.store.snapshot()
+
+    def _fail_clear(self, error: Exception):
+        """A DELETE /v1/cache waiting for a hand-off that will not come."""
+        with self._clear_lock:
+            cleared, self._clear_wanted = self._clear_wanted, None
+        if cleared is not None and not cleared.done():
+            cleared.set_exception(error)
 
     def cache_snapshot(self) -> Dict[str, Any]:
         """The prompt cache's figures (safe from any thread)."""
@@ -1131,6 +1139,7 @@ class Engine:
         self._fail_held(EngineUnavailable("server shutting down"))
         self._fail_queue(EngineUnavailable("server shutting down"))
         self._fail_loading(EngineUnavailable("server shutting down"))
+        self._fail_clear(EngineUnavailable("server shutting down"))
         self._save_to_disk()
         self.model_provider.reset()
         gc.collect()
@@ -1309,13 +1318,14 @@ class Engine:
         channel = request[0]
         if getattr(channel, "loadable", None) == key:
             return None
-        self._beat("looking for a model on every rank")
+        # (A Hugging Face repo's small files may be fetched: a load's limit.)
+        self._beat("looking for a model on every rank", self._load_limit())
         problem, fingerprint = None, 0
         try:
             if key[1] is not None or key[2] is not None:
                 raise ValueError("Loading with adapters or draft models not supported in "
                                  "distributed mode")
-            fingerprint = loadable_fingerprint(key[0])
+            fingerprint = loadable_fingerprint(key[0], pipeline=self.cli_args.pipeline)
         except Exception as e:
             problem = e
         failed, most, minus_least = group_max([problem is not None, fingerprint, -fingerprint])
@@ -1894,7 +1904,8 @@ class _Batch:
         """One BatchGenerator step. Returns whether it did any work.
 
         Anything raised inside, removing cancelled requests included, fails
-        the requests of this batch, not the generation thread.
+        the requests of this batch, not the generation thread (under
+        mx.distributed it ends the group: the error may be one rank's).
         """
         tic = time.perf_counter()
         seconds = self.engine.thread_seconds
@@ -1944,9 +1955,9 @@ class _Batch:
                 try:
                     engine.store.insert(self.model_key, self._key(uid, tokens), cache,
                                         "generated", reply_start=self._reply_start(uid))
-                except Exception as e:
-                    if engine._is_distributed and ends_the_group(e):
-                        raise  # (the step's guard: _run ends the group)
+                except Exception:
+                    if engine._is_distributed:
+                        raise  # (a batch step's error: the whole group ends)
                     # Only this cancelled request's entry is lost.
                     logging.exception("Could not store a cancelled request's cache")
             result = self.results.pop(uid, None)

@@ -255,19 +255,34 @@ def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]
     return image_path(key[0], sequential)
 
 
-def loadable_fingerprint(model_path) -> int:
+def loadable_fingerprint(model_path, pipeline: bool = False) -> int:
     """What the ranks of mx.distributed agree on before any loads a model:
-    raises where this host can't (no config.json, a family mlx-lm lacks, a
-    local folder without weights), else the CRC of its config.json (the
-    same model on every host). Its small files are fetched first where it is
-    a Hugging Face repo, as mlx-lm's sharded_load does."""
+    raises where this host can't (no config.json, no weights in a local
+    folder, a family mlx-lm lacks or can't split the way asked: sharded
+    tensor-parallel, or pipelined, which also needs the weights' index),
+    else the CRC of its config.json (the same model on every host). Its
+    small files are fetched first where it is a Hugging Face repo, as
+    mlx-lm's sharded_load does."""
     from mlx_lm.utils import _download, _get_classes
 
     folder = Path(_download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"]))
     raw = (folder / "config.json").read_bytes()
-    _get_classes(json.loads(raw))
-    if Path(model_path).is_dir() and not any(folder.glob("*.safetensors")):
-        raise FileNotFoundError(f"no weights (*.safetensors) in {folder}")
+    config = json.loads(raw)
+    if Path(model_path).is_dir() and not any(folder.glob("model*.safetensors")):
+        raise FileNotFoundError(f"no weights (model*.safetensors) in {folder}")
+    if pipeline and not (folder / "model.safetensors.index.json").exists():
+        raise FileNotFoundError(f"no model.safetensors.index.json in {folder} (mlx-lm's "
+                                "pipelined load reads it)")
+    if not config.get("model_file"):  # (remote code: only its own load can tell)
+        model_class, args_class = _get_classes(config)
+        # Built, not loaded (its arrays are never evaluated): what mlx-lm's
+        # sharded_load asks of it.
+        model = model_class(args_class.from_dict(config))
+        if pipeline and not hasattr(getattr(model, "model", None), "pipeline"):
+            raise ValueError(f"{config.get('model_type')} models can't be pipelined")
+        if not pipeline and not hasattr(model, "shard"):
+            raise ValueError(f"{config.get('model_type')} models can't be split "
+                             "tensor-parallel (--pipeline may)")
     return zlib.crc32(raw)
 
 

@@ -142,3 +142,39 @@ def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
     for evil in (Payload(), subprocess.Popen, eval, pickle.Unpickler):
         with pytest.raises(pickle.UnpicklingError, match="is not part of a request"):
             _unpickle(pickle.dumps(evil))
+
+
+def test_every_rank_looks_before_loading(fixture_path, tmp_path):
+    """What each rank checks before any loads a model under mx.distributed
+    (a load failing on one rank leaves the others in its collectives): the
+    same config on every host, weights, a family mlx-lm has and can split
+    the way asked."""
+    import json
+    import shutil
+
+    from mlx_lm_plus.models import loadable_fingerprint
+
+    qwen3, qwen2 = fixture_path("qwen3"), fixture_path("qwen2")
+    assert loadable_fingerprint(qwen3) == loadable_fingerprint(qwen3)
+    assert loadable_fingerprint(qwen3) != loadable_fingerprint(fixture_path("llama"))
+    assert isinstance(loadable_fingerprint(qwen2, pipeline=True), int)
+    with pytest.raises(ValueError, match="can't be pipelined"):
+        loadable_fingerprint(qwen3, pipeline=True)
+    with pytest.raises(ValueError, match="can't be split tensor-parallel"):
+        loadable_fingerprint(fixture_path("gemma3_text"))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(qwen3 / "config.json", no_weights)
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        loadable_fingerprint(no_weights)
+    no_index = tmp_path / "no_index"
+    shutil.copytree(qwen2, no_index)
+    (no_index / "model.safetensors.index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="index"):
+        loadable_fingerprint(no_index, pipeline=True)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(qwen3, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such"}))
+    with pytest.raises(ValueError):
+        loadable_fingerprint(unknown)

@@ -125,16 +125,16 @@ def test_queued_copies_of_stored_entries_are_not_counted(runner):
     batch.generator.close()
 
 
-def fail_next_model_call(runner, monkeypatch, message):
-    """The model's next forward pass raises RuntimeError(message), as MLX
-    does when an allocation fails; the calls after it run as usual."""
+def fail_next_model_call(runner, monkeypatch, message, error=RuntimeError):
+    """The model's next forward pass raises error(message) (RuntimeError: as
+    MLX does when an allocation fails); the calls after it run as usual."""
     model_type = type(runner.loaded.model)
     real_call = model_type.__call__
     armed = [True]
 
     def failing(self, *a, **kw):
         if armed.pop() if armed else False:
-            raise RuntimeError(message)
+            raise error(message)
         return real_call(self, *a, **kw)
 
     monkeypatch.setattr(model_type, "__call__", failing)
@@ -192,6 +192,23 @@ def test_an_mlx_error_on_a_rank_ends_the_group(fixture_path, monkeypatch, path,
 
 class NotPartOfARequest:
     """A class the other ranks refuse to unpickle."""
+
+
+def test_any_error_in_a_batch_step_of_a_rank_ends_the_group(fixture_path, monkeypatch):
+    """Not only MLX's: whatever a rank's batch step raises (its own layers'
+    code, say) may be that rank's alone, and the others went on."""
+    r = EngineRunner(fixture_path("qwen3"), argv=["--watchdog-grace", "0"], as_a_rank=True)
+    try:
+        assert r.run(chat("warm up", max_tokens=4))[0]
+        fail_next_model_call(r, monkeypatch, "a layer's own bug", error=ValueError)
+        with pytest.raises(engine_module.EngineUnavailable, match="an error on a rank"):
+            r.run(chat("This one fails on one host", max_tokens=4))
+        deadline = time.monotonic() + 30
+        while not r.exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.exits == [engine_module.HANG_EXIT_STATUS]
+    finally:
+        r.close()
 
 
 def test_a_request_the_other_ranks_would_refuse_fails_alone(fixture_path):
