@@ -408,19 +408,22 @@ class Engine:
         while not self._stop:
             time.sleep(min(1.0, limit / 4))
             busy = self._busy
-            if busy is not None and time.monotonic() - busy[1] > (busy[2] or (limit, ))[0]:
-                self._on_hang(busy[0], time.monotonic() - busy[1], *(busy[2] or ()))
-                return
+            if busy is not None:
+                what, since, own = busy
+                seconds, flag = own or (limit, None)
+                if time.monotonic() - since > seconds:
+                    self._on_hang(what, time.monotonic() - since, seconds, flag)
+                    return
             # The planning thread (Engine.plan): every request waits on it.
             since = self._planning_since
             if since is not None and time.monotonic() - since > limit:
-                self._on_hang("planning a prompt", time.monotonic() - since)
+                self._on_hang("planning a prompt", time.monotonic() - since, limit)
                 return
 
-    def _on_hang(self, what: str, seconds: float, limit=None, flag=None):
-        """The generation thread is stuck: say so, answer everyone, exit."""
+    def _on_hang(self, what: str, seconds: float, limit: float, flag: Optional[str] = None):
+        """The generation thread is stuck: say so, answer everyone, exit.
+        `flag`: what set `limit` (None: the watchdog's own)."""
         if flag is None:
-            limit = self._watch_limit()
             flag = ("--distributed-timeout" if limit != self.cli_args.step_timeout
                     else "--step-timeout")
         self._shut_down(f"generation stuck: {what} has run for {seconds:.0f} s ({flag} "
@@ -615,7 +618,7 @@ class Engine:
         """Images through the vision tower and images served from the cache,
         over the loaded vision models (None when none is loaded)."""
         visions = [lm.processor for lm in list(self.model_provider.loaded.values())
-                   if isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))]
+                   if _serves_images(lm)]
         if not visions:
             return None
         return {"images_encoded": sum(v.calls for v in visions),
@@ -702,8 +705,7 @@ class Engine:
         self._handoffs += 1
         first = self._rank == 0
         clear = self._clear_wanted if first else None
-        # (Sums: the ring's all_sum hangs less often than its all_max when
-        # a peer dies mid-collective. A count, or a site, is alike on every
+        # (One all_sum carries it all: a count, or a site, is alike on every
         # rank when n * sum(x^2) == sum(x)^2; the count kept small, so no
         # sum overflows.)
         turn = self._handoffs % (1 << 20)
@@ -906,7 +908,7 @@ class Engine:
         key = self.model_provider.key_for(model)
         lm = self.model_provider.get(key)
         if lm is not None:
-            return isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))
+            return _serves_images(lm)
         return self.model_provider.is_vision(key)
 
     def image_max_pixels(self, model) -> Optional[int]:
@@ -1790,6 +1792,12 @@ def _with_prompt(processors, prompt: List[int]):
             logits = processor(context, logits)
         return logits
     return process
+
+
+def _serves_images(lm) -> bool:
+    """Whether a loaded model takes image parts (through mlx-vlm, batched by
+    vision.py or one at a time by vlm_generation.py)."""
+    return isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))
 
 
 def _vision(lm) -> Optional[VisionSupport]:

@@ -20,6 +20,19 @@ class Collect(Channel):
     def put(self, item):
         self.items.put(item)
 
+    def cancel_and_drain(self, timeout=30) -> list:
+        """The client goes: wait until the engine has let the request go, and
+        return what it put after."""
+        self.cancel()
+        deadline = time.monotonic() + timeout
+        while self.removed_at is None:
+            assert time.monotonic() < deadline, "the request was not stopped"
+            time.sleep(0.01)
+        rest = []
+        while not self.items.empty():
+            rest.append(self.items.get())
+        return rest
+
     def result(self, timeout=120):
         """(tokens, ctx) once the request is done; raises its error."""
         tokens, ctx = [], None
