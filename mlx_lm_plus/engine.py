@@ -92,6 +92,14 @@ PARKED = object()
 # A request waits for another one in the batch to store a checkpoint it shares
 # (its system prompt, say) when that saves it at least this many tokens.
 PARK_MIN_TOKENS = 32
+# While requests decode, a prompt goes in chunks of --prefill-step-size over
+# this (at least DECODING_CHUNK_MIN tokens). BatchGenerator runs one prompt
+# chunk after each decode step, so a running stream waits a whole chunk
+# between two tokens: a smaller chunk keeps it flowing while a long prompt is
+# admitted, for a few more (and a little less efficient) model calls of that
+# prompt. Alone, a prompt takes whole chunks.
+DECODING_CHUNK_DIVISOR = 4
+DECODING_CHUNK_MIN = 32
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
@@ -192,6 +200,8 @@ class Planned:
     model_key: Any
     plan: PromptPlan
     constraint: Any = None  # a constraints.ConstraintProcessor, or None
+    # The model has a disk tier: Engine.read_ahead may read its entry first.
+    on_disk: bool = False
 
 
 @dataclass
@@ -824,19 +834,21 @@ class Engine:
             raise PromptError(str(e)) from e
 
     def plan(self, request, args) -> Optional[Planned]:
-        """Plan a text request for the model it names, on the caller's thread
-        (the HTTP layer's planning thread): the template renders, tokenizing
-        and the constraint's matcher stay off the generation thread. None:
-        the engine plans it at admission (that model not loaded yet, or
-        images, whose plan needs the vision tower's processor). Raises
-        PromptError."""
+        """Plan a request for the model it names, on the caller's thread (the
+        HTTP layer's planning thread): the template renders, tokenizing, the
+        image processor and the constraint's matcher stay off the generation
+        thread. None: the engine plans it at admission (that model not
+        loaded yet, or images for one of mlx-lm's own vision models, served
+        one at a time). Raises PromptError."""
         provider = self.model_provider
         key = provider.key_for(args.model)
         lm = provider.get(key)
         # (Under mx.distributed requests are pickled to the other ranks,
         # which plan them themselves.)
-        if (self._is_distributed or lm is None
-                or (request.request_type == "chat" and any(_image_parts(request.messages)))):
+        if self._is_distributed or lm is None:
+            return None
+        images = request.request_type == "chat" and any(_image_parts(request.messages))
+        if images and not _serves_images(lm):
             return None
         self._planning_since = time.monotonic()  # watched, as the generation thread is
         try:
@@ -844,7 +856,22 @@ class Engine:
             constraint = self._constraint(request, lm.tokenizer, plan)
         finally:
             self._planning_since = None
-        return Planned(key, plan, constraint)
+        if images:
+            # The pixels are in the plan now: the request, which its handler
+            # holds to the end, lets the decoded ones go.
+            request.images = None
+        return Planned(key, plan, constraint, on_disk=self.store.disk_for(key) is not None)
+
+    def read_ahead(self, planned: Planned) -> None:
+        """Read a planned request's entry from the disk tier on the caller's
+        thread (an HTTP handler's executor), when it covers more of the
+        prompt than memory: the generation thread then takes it from memory
+        (PromptStore.read_ahead). Errors are left to the fetch, which reads
+        again and answers for them."""
+        try:
+            self.store.read_ahead(planned.model_key, planned.plan.cache_key)
+        except Exception:
+            logging.exception("Prompt cache: reading ahead from disk failed")
 
     def _plan(self, lm, request, args) -> Planned:
         """The request's plan for model `lm`: the one made off this thread if
@@ -920,7 +947,7 @@ class Engine:
             return vision.max_pixels
         return self.model_provider.image_max_pixels(key)
 
-    def _resume(self, lm, plan, segments, cache, cached, channel):
+    def _resume(self, lm, plan, segments, cache, cached, channel, between_chunks=None):
         """A vision-language model's cache, ready for the rest of `plan`.
 
         A cached prefix may not end inside an image (its positions come out
@@ -929,7 +956,9 @@ class Engine:
         images not covered yet go through the vision tower and are prefilled
         here (cancellable between chunks, with progress on `channel`); the
         rest of the prompt is text. Returns (cache, tokens reused from the
-        store, tokens covered now).
+        store, tokens covered now). `between_chunks()`, if given, runs after
+        each chunk (and the chunks are smaller while requests decode:
+        prefill_chunk).
         """
         vision, model = _vision(lm), lm.model
         if vision is None:
@@ -960,10 +989,18 @@ class Engine:
                 set_rope_delta(kept, images.delta_at(position))
                 self._store(lm, plan.cache_key[:position], kept, checkpoints[position])
 
+            step = self.cli_args.prefill_step_size
+            progress = self._prefill_progress(channel, cache)
+            if between_chunks is not None:
+                step = prefill_chunk(step, self._decoding())
+
+                def progress(done, total, own=progress):
+                    own(done, total)
+                    between_chunks()
+
             cached = vision.prefill(
-                model, plan.tokens, images, cache, cached, self.cli_args.prefill_step_size,
-                checkpoints=checkpoints, on_checkpoint=store_checkpoint,
-                progress=self._prefill_progress(channel, cache),
+                model, plan.tokens, images, cache, cached, step,
+                checkpoints=checkpoints, on_checkpoint=store_checkpoint, progress=progress,
             )
             self.observe("vision_seconds", time.perf_counter() - tic)
         return cache, reused, cached
@@ -1162,6 +1199,9 @@ class Engine:
                 batch.step()
             # Their wait is over: first in line again.
             self._pending[:0] = batch.take_unparked()
+
+    def _decoding(self) -> bool:
+        return any(b.decoding for b in self._batches.values())
 
     def _any_active(self) -> bool:
         return any(b.active for b in self._batches.values())
@@ -1498,21 +1538,35 @@ class Engine:
         if batch is None:
             batch = self._batches[lm.key] = _Batch(self, lm, stream)
         tic = time.perf_counter()
-        admission = self._prepare(lm, channel, req, args,
-                                  park=lambda planned, depth: batch.park(request, planned, depth))
+        stepped = 0.0  # (seconds of batch steps run inside the admission)
+
+        def between_chunks():
+            """Between two chunks of an image stretch every batch takes a
+            step, as between a text prompt's chunks: their streams don't
+            wait for all the image. (Not under mx.distributed, where any
+            error of a batch step must end the group, not this request.)"""
+            nonlocal stepped
+            step_tic = time.perf_counter()
+            self._step_batches()
+            stepped += time.perf_counter() - step_tic
+
+        admission = self._prepare(
+            lm, channel, req, args,
+            park=lambda planned, depth: batch.park(request, planned, depth),
+            between_chunks=None if self._is_distributed else between_chunks)
         if admission is not PARKED:
             if admission is not None:
                 batch.insert(admission)
             self.admitted += 1
-        self.thread_seconds["admission"] += time.perf_counter() - tic
+        self.thread_seconds["admission"] += time.perf_counter() - tic - stepped
 
-    def _prepare(self, lm, channel, request, args, park=None):
+    def _prepare(self, lm, channel, request, args, park=None, between_chunks=None):
         """A request's admission into the batch: its plan, its cached prefix
         and, on vision-language models, its images through the vision tower
-        and prefilled (unless the cache covers them). Errors that are the
-        request's own are answered here (None); others raise for the
-        admission guard. `park(planned, depth)` may hold the request back
-        before anything is fetched (PARKED)."""
+        and prefilled (unless the cache covers them; `between_chunks`: see
+        _resume). Errors that are the request's own are answered here
+        (None); others raise for the admission guard. `park(planned, depth)`
+        may hold the request back before anything is fetched (PARKED)."""
         try:
             planned = self._plan(lm, request, args)
         except PromptError as e:
@@ -1529,7 +1583,7 @@ class Engine:
         if _vision(lm) is not None:
             try:
                 cache, ctx.prompt_cache_count, cached = self._resume(
-                    lm, plan, segments, cache, cached, channel)
+                    lm, plan, segments, cache, cached, channel, between_chunks)
             except _Cancelled as stopped:
                 channel.removed()
                 logging.info(f"Stopped the image prefill of a cancelled request at prompt "
@@ -1777,6 +1831,14 @@ class Engine:
         return segments[-1]
 
 
+def prefill_chunk(step_size: int, decoding: bool) -> int:
+    """Tokens per prompt chunk: --prefill-step-size, or a share of it while
+    other requests decode (DECODING_CHUNK_DIVISOR)."""
+    if not decoding:
+        return step_size
+    return min(step_size, max(DECODING_CHUNK_MIN, step_size // DECODING_CHUNK_DIVISOR))
+
+
 def _with_prompt(processors, prompt: List[int]):
     """One logits processor running `processors` in turn on the whole
     context, where mlx-vlm's generate_step passes only the prompt's tail it
@@ -1983,9 +2045,17 @@ class _Batch:
             + (f", {max(waits) * 1000:.1f} ms after the disconnect" if waits else "")
         )
 
+    @property
+    def decoding(self) -> bool:
+        """Whether a request of this batch is past its prompt."""
+        return any(r["decoding"] for r in self.results.values())
+
     def _step(self) -> bool:
         engine = self.engine
         engine.steps += 1
+        # (BatchGenerator reads it at each step, for the chunk it cuts next.)
+        self.generator.prefill_step_size = prefill_chunk(
+            engine.cli_args.prefill_step_size, self.decoding)
         tic = time.perf_counter()
         prompt_responses, gen_responses = self.generator.next()
         engine.thread_seconds["model"] += time.perf_counter() - tic

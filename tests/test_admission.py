@@ -1,0 +1,129 @@
+"""A long prompt admitted while another request decodes: its chunks are
+smaller (engine.prefill_chunk) and the running stream takes a step between
+every two of them, for a text prompt and for an image stretch alike; both
+replies stay equal to each request run alone."""
+
+import contextlib
+
+import pytest
+
+from mlx_lm_plus.engine import prefill_chunk
+from tests.engine_harness import EngineRunner
+from tests.test_vision import image_part, noise, user
+
+STEP = 64  # --prefill-step-size
+CHUNK = prefill_chunk(STEP, True)
+
+
+@contextlib.contextmanager
+def model_calls(model, *methods):
+    """Record (method, tokens in the call) for each call of `methods` on the
+    model's class, in order."""
+    cls = type(model)
+    calls, saved = [], {name: cls.__dict__.get(name) for name in methods}
+
+    def recording(name, own):
+        def call(self, inputs, *args, **kwargs):
+            calls.append((name, inputs.shape[1]))
+            return own(self, inputs, *args, **kwargs)
+        return call
+
+    for name in methods:
+        setattr(cls, name, recording(name, getattr(cls, name)))
+    try:
+        yield calls
+    finally:
+        for name, own in saved.items():
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+
+
+def a_stream(runner, tokens=400):
+    """A request that decodes `tokens` tokens (one word forced: no early end)."""
+    word = runner.loaded.tokenizer.encode(" the", add_special_tokens=False)[-1]
+    return {"messages": [{"role": "user", "content": "Tell a very long story."}],
+            "max_tokens": tokens, "logit_bias": {str(word): 100}}
+
+
+def wait_for_tokens(channel, n):
+    from mlx_lm.server import Response
+
+    seen = []
+    while sum(isinstance(i, Response) for i in seen) < n:
+        seen.append(channel.items.get(timeout=120))
+    return seen
+
+
+def finish(channel, seen):
+    """The tokens of a request whose first items were `seen`."""
+    from mlx_lm.server import Response
+
+    rest, _ = channel.result()
+    return [i.token for i in seen if isinstance(i, Response)] + rest
+
+
+def assert_interleaved(calls, prefill_name):
+    """While the stream decodes (its one-token calls), every prompt chunk is
+    at most CHUNK tokens and the stream steps between two chunks."""
+    first = next(i for i, c in enumerate(calls) if c == ("__call__", 1))
+    last = max(i for i, c in enumerate(calls) if c == ("__call__", 1))
+    during = calls[first:last + 1]
+    chunks = [n for name, n in during if name == prefill_name and n > 1]
+    assert len(chunks) >= 4, during  # (the long prompt went in while it decoded)
+    assert max(chunks) <= CHUNK, during
+    for a, b in zip(during, during[1:]):
+        assert not (a[0] == b[0] == prefill_name and a[1] > 1 and b[1] > 1), during
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_a_long_prompt_goes_in_small_chunks_between_decode_steps(fixture_path, kind):
+    runner = EngineRunner(fixture_path(kind), argv=["--prefill-step-size", str(STEP)])
+    alone = EngineRunner(fixture_path(kind), max_bytes=0)
+    try:
+        a_body = a_stream(runner)
+        b_body = {"messages": [{"role": "user", "content": "A long question. " + " ".join(
+            f"Item {i} is blue and item {i + 1} is red." for i in range(60))}],
+            "max_tokens": 6}
+        with model_calls(runner.loaded.model, "__call__") as calls:
+            a = runner.submit(a_body)
+            seen = wait_for_tokens(a, 5)
+            b_tokens, b_prompt, _ = runner.run(b_body)
+            a_tokens = finish(a, seen)
+        assert b_prompt > 8 * CHUNK
+        assert_interleaved(calls, "__call__")
+        assert a_tokens == alone.run(a_body)[0]
+        assert b_tokens == alone.run(b_body)[0]
+    finally:
+        runner.close()
+        alone.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5_vl"])
+def test_an_image_stretch_goes_in_small_chunks_between_decode_steps(fixture_path, kind):
+    runner = EngineRunner(fixture_path(kind), argv=["--prefill-step-size", str(STEP)])
+    alone = EngineRunner(fixture_path(kind), max_bytes=0)
+    try:
+        a_body = a_stream(runner)
+        pictures = [image_part(noise(seed, size=(336, 336))) for seed in (7, 8, 9)]
+        b_body = {"messages": [user(*pictures, "What are these?")], "max_tokens": 6}
+        with model_calls(runner.loaded.model, "__call__", "prefill_chunk") as calls:
+            a = runner.submit(a_body)
+            seen = wait_for_tokens(a, 5)
+            b_tokens, b_prompt, _ = runner.run(b_body)
+            a_tokens = finish(a, seen)
+        assert b_prompt > 4 * CHUNK
+        assert_interleaved(calls, "prefill_chunk")
+        assert a_tokens == alone.run(a_body)[0]
+        assert b_tokens == alone.run(b_body)[0]
+    finally:
+        runner.close()
+        alone.close()
+
+
+def test_prefill_chunk():
+    assert prefill_chunk(2048, False) == 2048
+    assert prefill_chunk(2048, True) == 512
+    assert prefill_chunk(64, True) == 32  # (never below DECODING_CHUNK_MIN)
+    assert prefill_chunk(8, True) == 8  # (nor above the step itself)
