@@ -501,11 +501,15 @@ class Server:
             future.cancel()
             raise
         try:
-            parsed.request.planned = future.result()
+            planned = parsed.request.planned = future.result()
         except PromptError as e:
             raise RequestError(str(e)) from e
         except Exception:  # the engine plans it again, and answers
             logging.exception("Planning a prompt failed")
+            return
+        if planned is not None and planned.on_disk:
+            # Its disk entry read here, not on the generation thread.
+            await loop.run_in_executor(None, self.engine.read_ahead, planned)
 
     def _vocab_size(self, name):
         """Model `name`'s vocabulary size for the top_k and logit_bias checks

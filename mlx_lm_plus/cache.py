@@ -475,6 +475,23 @@ def cache_nbytes(cache: List[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
 
+# Seconds a disk entry read ahead for a request waits for its fetch (a
+# request that went away, or waited longer, lets it go: nbytes counts it).
+READ_AHEAD_SECONDS = 60.0
+
+
+@dataclass
+class ReadAhead:
+    """A disk entry read off the generation thread (PromptStore.read_ahead)."""
+
+    model: Any
+    key: List[int]  # the request's key it was read for
+    handle: Any  # the tier's DiskEntry
+    cache: List[Any]  # as the tier's load returns it
+    nbytes: int
+    read_at: float
+
+
 class PromptStore:
     def __init__(self, max_bytes: int, max_sequences: Optional[int] = None,
                  ttl: Optional[float] = None, clock=time.monotonic,
@@ -518,6 +535,12 @@ class PromptStore:
         # views of the arrays, which HTTP handlers reading a snapshot should
         # not wait for.
         self._spills: List[Tuple[Any, List[int], List[Any], str]] = []
+        # (model, file name) -> ReadAhead: disk entries read off the
+        # generation thread for the fetch that follows (read_ahead), counted
+        # in nbytes while held.
+        self._read_ahead: Dict[Tuple[Any, str], ReadAhead] = {}
+        self.read_ahead_bytes = 0
+        self._clears = 0  # DELETE /v1/cache calls (a read ahead across one is dropped)
         self._no_spill = False  # set by trim_to(to_disk=False) while it runs
         # Under mx.distributed each rank has a store of its share of every
         # entry, and all must decide alike: `group_max(values)` is each
@@ -530,8 +553,9 @@ class PromptStore:
 
     @property
     def nbytes(self) -> int:
-        """What `max_bytes` limits: the entries' caches and the index."""
-        return self.kv_bytes + self.index_bytes
+        """What `max_bytes` limits: the entries' caches, the index, and disk
+        entries read ahead for a request about to fetch them."""
+        return self.kv_bytes + self.index_bytes + self.read_ahead_bytes
 
     def now(self) -> float:
         """The store's clock (entries' created/last_used are on it)."""
@@ -577,6 +601,10 @@ class PromptStore:
             if found is None:  # unreadable (deleted by the tier): memory's best
                 with self._lock:
                     found = self._find(model, key)
+        if self._read_ahead:
+            with self._lock:  # (read ahead for nothing: memory or another entry served)
+                self._drop_read_ahead(lambda r: r.model == model and r.key == key)
+                self._drop_stale_read_ahead()
         with self._lock:
             self.stats[f"fetch_{found.kind}"] += 1
             if found.kind != "miss":
@@ -586,8 +614,18 @@ class PromptStore:
     def _from_disk(self, model, tier, covered: int, handle) -> Optional[Fetched]:
         """The tier's entry read back and cut to `covered` tokens (None: it
         could not be read); a copy of the whole entry goes back into memory
-        under its own key, so the next turn hits memory."""
-        stored = tier.load(handle)  # as the store held it (StoredKV layers too)
+        under its own key, so the next turn hits memory. Read ahead for this
+        request (read_ahead), it is not read here."""
+        with self._lock:
+            ahead = self._read_ahead.get((model, handle.name))
+            if ahead is not None:
+                self._drop_read_ahead(lambda r: r is ahead)
+        if ahead is not None and ahead.handle.ntokens == handle.ntokens:
+            stored = ahead.cache
+            with self._lock:
+                self.stats["read_ahead"] += 1
+        else:  # as the store held it (StoredKV layers too)
+            stored = tier.load(handle)
         if stored is None:
             return None
         try:
@@ -607,9 +645,56 @@ class PromptStore:
             return None, 0, [], None
         return descend(root, key)
 
-    def _find(self, model, key, floor: int = 0) -> Fetched:
+    def read_ahead(self, model, key) -> bool:
+        """Read the model's disk entry for `key` on the caller's thread (an
+        HTTP handler's executor, once the request is planned) when it covers
+        more of `key` than memory does: the generation thread's fetch then
+        takes it (_from_disk) instead of reading the file while running
+        streams wait. Held entries count in `nbytes`, together at most a
+        quarter of the budget; one not fetched within READ_AHEAD_SECONDS
+        is let go. Returns whether it read one."""
+        with self._lock:
+            self._drop_stale_read_ahead()
+            tier = None if self.disabled() else self._disks.get(model)
+        if tier is None or not key:
+            return False
+        on_disk = tier.find(key, count=False)
+        if on_disk is None:
+            return False
+        covered, handle = on_disk
+        with self._lock:
+            room = (self.max_bytes is None
+                    or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4)
+            if (not room or (model, handle.name) in self._read_ahead
+                    or self._find(model, key, floor=covered, probe=True).kind != "miss"):
+                return False
+            clears = self._clears
+        cache = tier.load(handle)  # (its arrays evaluated on this thread)
+        if cache is None:
+            return False
+        with self._lock:
+            if self._clears != clears or (model, handle.name) in self._read_ahead:
+                return False  # (DELETE /v1/cache came between; or read twice)
+            ahead = ReadAhead(model, list(key), handle, cache, cache_nbytes(cache),
+                              self._clock())
+            self._read_ahead[(model, handle.name)] = ahead
+            self.read_ahead_bytes += ahead.nbytes
+        return True
+
+    def _drop_stale_read_ahead(self):
+        now = self._clock()
+        self._drop_read_ahead(lambda r: now - r.read_at > READ_AHEAD_SECONDS)
+
+    def _drop_read_ahead(self, which: Callable[["ReadAhead"], bool]):
+        for name, ahead in list(self._read_ahead.items()):
+            if which(ahead):
+                del self._read_ahead[name]
+                self.read_ahead_bytes -= ahead.nbytes
+
+    def _find(self, model, key, floor: int = 0, probe: bool = False) -> Fetched:
         """Memory's best entry for `key`; a miss (nothing touched or copied)
-        when it would cover fewer than `floor` tokens."""
+        when it would cover fewer than `floor` tokens. probe: only how many
+        tokens it covers and how (no cache made, nothing touched)."""
         if not key:
             return Fetched(None, 0, "miss")
         tokens = array(_TOKENS, key)
@@ -632,6 +717,8 @@ class PromptStore:
             if donor is not None and donor.entry.trimmable:
                 if target < floor:
                     return Fetched(None, 0, "miss")
+                if probe:
+                    return Fetched(None, target, "trimmed")
                 cache = self._materialize(model, tokens, target, donor.entry,
                                           trim=donor.depth - target)
                 # A hit, but not a reason to keep the donor: the request's own
@@ -644,6 +731,8 @@ class PromptStore:
 
         if best_prefix is not None and best_prefix.depth >= floor:
             entry = best_prefix.entry
+            if probe:
+                return Fetched(None, best_prefix.depth, "prefix")
             self._touch(entry)
             kind = "checkpoint" if entry.kind in ("checkpoint", "system") else "prefix"
             return Fetched(self._materialize(model, tokens, best_prefix.depth, entry),
@@ -1087,6 +1176,8 @@ class PromptStore:
     def clear(self):
         """Drop every entry, the disk tiers' too (DELETE /v1/cache)."""
         with self._lock:
+            self._clears += 1
+            self._drop_read_ahead(lambda r: True)
             for entry in list(self._entries):
                 self._remove(entry, reason="cleared")
             for tier in dict.fromkeys(self._disks.values()):
@@ -1180,6 +1271,10 @@ class PromptStore:
                 out[k] = sum(s[k] for s in snaps)
         out["bytes_per_token"] = _per_token(out["bytes"], out["tokens"])
         out["spilled"] = self.stats["spilled"]  # entries handed over on eviction
+        # Disk hits read before the generation thread fetched them, and the
+        # bytes of those read and not fetched yet (in memory's bytes too).
+        out["read_ahead"] = self.stats["read_ahead"]
+        out["read_ahead_bytes"] = self.read_ahead_bytes
         return out
 
     def entry_bytes(self, entry: Entry) -> int:

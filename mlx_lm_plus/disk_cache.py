@@ -689,7 +689,7 @@ class DiskTier:
 
     # -- the generation thread's side --
 
-    def find(self, key: Sequence[int], trimmable_ok: bool = True
+    def find(self, key: Sequence[int], trimmable_ok: bool = True, count: bool = True
              ) -> Optional[Tuple[int, DiskEntry]]:
         """The best entry for `key`: (tokens of `key` it covers, handle).
 
@@ -698,7 +698,8 @@ class DiskTier:
         more, a trimmable entry sharing a longer common prefix with `key`
         (an exact one, a longer one, a sibling), usable up to
         min(common, len(key) - 1). `load` returns the entry's whole cache:
-        the caller trims `handle.ntokens - covered` tokens off.
+        the caller trims `handle.ntokens - covered` tokens off. count=False:
+        a miss is not counted (a look ahead of the fetch that counts it).
         """
         if not self.enabled or not key:
             return None
@@ -714,7 +715,8 @@ class DiskTier:
                     return target, donor.entry
             if best is not None:
                 return best.depth, best.entry
-            self.stats["misses"] += 1
+            if count:
+                self.stats["misses"] += 1
             return None
 
     def key_of(self, handle: DiskEntry) -> Optional[List[int]]:

@@ -478,6 +478,10 @@ class VisionSupport:
             )
         for img, d in zip(spans, decoded):
             img.fingerprint = d.fingerprint
+        # Evaluated here: the plan is made on the HTTP layer's planning
+        # thread, and MLX arrays cross threads only evaluated (each thread
+        # has its own streams).
+        mx.eval([(img.pixel_values, img.extra) for img in spans])
         key = list(tokens)
         for img in spans:
             key[img.start : img.end] = [img.fingerprint] * (img.end - img.start)

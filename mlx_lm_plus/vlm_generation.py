@@ -62,6 +62,8 @@ class MlxVlmGeneration:
             image_token_index=getattr(self.vlm.config, "image_token_index", None),
             add_special_tokens=should_add_special_tokens(self.model_type, self.processor))
         tokens = mx.array(inputs["input_ids"])[0].tolist()
+        # (Evaluated on the thread that plans, as vision.py's.)
+        mx.eval([v for v in inputs.values() if isinstance(v, mx.array)])
         # An empty key: nothing of this path is stored, and its image tokens
         # are the same ids for any picture of a size, so no lookup may match.
         return tokens, MlxVlmPrompt(dict(inputs), [], [0] * len(decoded))

@@ -911,6 +911,68 @@ def test_memory_wins_a_tie_and_disk_wins_when_it_covers_more(tmp_path):
     tier.close()
 
 
+def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
+    """read_ahead (an HTTP handler's thread) reads the disk entry a request
+    will fetch; the fetch (the generation thread) then reads no file and
+    gets exactly the arrays a read would give. While held, the entry counts
+    in nbytes; it goes when fetched, when stale and on a clear; memory that
+    covers as much is not read ahead for."""
+    import threading
+
+    import mlx_lm_plus.cache as cache_module
+
+    key = list(range(1, 41))
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    want = arrays_of(store.stored_cache(store.entries()[0]))
+    store.trim_to(0)
+    assert tier.flush(10) and len(store) == 0 and store.nbytes == 0
+    prompt = key + [7, 8]
+
+    read = []
+    ahead = threading.Thread(target=lambda: read.append(store.read_ahead(MODEL, prompt)))
+    ahead.start()
+    ahead.join()
+    assert read == [True] and store.read_ahead_bytes > 0
+    assert store.nbytes == store.read_ahead_bytes  # counted while held
+    assert not store.read_ahead(MODEL, prompt)  # (held already: not read twice)
+    loads = tier.snapshot()["hits"]
+    tier.load = lambda handle: pytest.fail("the fetch read the file again")
+    found = store.fetch(MODEL, prompt)
+    assert (found.kind, found.cached) == ("disk", 40) and arrays_of(found.cache) == want
+    assert store.read_ahead_bytes == 0 and tier.snapshot()["hits"] == loads
+    assert [e.key for e in store.entries()] == [tuple(key)]  # back into memory
+    del tier.load
+
+    # Memory covers it now: nothing to read ahead.
+    assert not store.read_ahead(MODEL, prompt)
+    # Held but never fetched: let go once stale, and on a clear.
+    store.trim_to(0)
+    assert tier.flush(10)
+    assert store.read_ahead(MODEL, prompt) and store.read_ahead_bytes > 0
+    now = store.now()
+    store.set_clock(lambda: now + cache_module.READ_AHEAD_SECONDS + 1)
+    store.fetch(MODEL, [999, 998])  # (any fetch looks)
+    assert store.read_ahead_bytes == 0 and store.nbytes == 0
+    store.set_clock(lambda: now)
+    assert store.read_ahead(MODEL, prompt)
+    store.clear()
+    assert store.read_ahead_bytes == 0 and store.nbytes == 0
+    tier.close()
+
+
+def test_read_ahead_stays_within_a_quarter_of_the_budget(tmp_path):
+    key = list(range(1, 41))
+    one = _holding([key], lambda n: [real_kv(n), real_kv(n, seed=1)])
+    store, tier = with_disk(tmp_path, max_bytes=3 * one)  # a quarter: less than the entry
+    store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10)
+    assert not store.read_ahead(MODEL, key + [7]) and store.read_ahead_bytes == 0
+    assert store.fetch(MODEL, key + [7]).kind == "disk"  # (read by the fetch, as before)
+    tier.close()
+
+
 def test_unreadable_disk_entry_is_a_miss_and_memory_serves(tmp_path):
     store, tier = with_disk(tmp_path, max_bytes=1 << 30)
     turn = list(range(1, 21))

@@ -122,6 +122,8 @@ def test_warm_restart_resumes_exactly_and_other_models_see_nothing(fixture_path,
         stats = server.get("/v1/cache/stats")[1]
         assert stats["hits_by_tier"] == {"memory": 0, "disk": 1}
         assert stats["hits"]["disk"] == 1 and stats["disk"]["hits"] == 1
+        # (Read by the request's handler, before the generation thread.)
+        assert stats["disk"]["read_ahead"] == 1 and stats["disk"]["read_ahead_bytes"] == 0
         assert stats["memory"]["entries"] >= 1  # read back into memory
         assert metric(server, "cache_tier_hits_total", tier="disk") == 1
         assert metric(server, "cache_lookups_total", result="disk") == 1

@@ -256,6 +256,8 @@ def test_over_http_stream_stats_metrics_and_bad_images(fixture_path, tmp_path):
 
         status, stats = server.get("/v1/stats")
         assert stats["engine"]["vision"] == {"images_encoded": 1, "images_from_cache": 1}
+        # (The first may have come while the model loaded.)
+        assert stats["engine"]["planned_at_admission"] <= 1
         assert [r["images"] for r in stats["requests"]] == [1, 1]
         assert any(e["images"] == 1 for e in stats["entries"])
         _, _, metrics = server.request("GET", "/metrics")
@@ -269,6 +271,39 @@ def test_over_http_stream_stats_metrics_and_bad_images(fixture_path, tmp_path):
         assert server.get("/health") == (200, {"status": "ok"})
         status, again = server.post("/v1/chat/completions", body)
         assert status == 200 and again["choices"] == first["choices"]
+
+
+def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
+    """Engine.plan runs the image processor on the caller's thread (the API's
+    planning thread, with the images decoded there first): the generation
+    thread uses that plan as it is, and the reply is the cold one. (MLX
+    arrays made on one thread and used unevaluated on another fail.)"""
+    import copy
+    import threading
+
+    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.vision import decode_images
+    from tests.engine_harness import Collect
+
+    body = {"messages": [user(image_part(noise(11)), "Planned elsewhere?")], "max_tokens": 8}
+    engine = runner.engine
+    runner.loaded  # (plan() leaves a request for a model not loaded yet to the engine)
+    # (A copy: planning converts the messages in place.)
+    parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), runner.args)
+    parsed.request.images = decode_images([noise(11)])
+    planned = []
+    planner = threading.Thread(target=lambda: planned.append(
+        engine.plan(parsed.request, parsed.args)))
+    planner.start()
+    planner.join()
+    assert planned[0] is not None and parsed.request.images is None
+    parsed.request.planned = planned[0]
+    before = engine.planned_at_admission
+    channel = Collect()
+    engine.submit(channel, parsed.request, parsed.args)
+    tokens, _ = channel.result()
+    assert engine.planned_at_admission == before
+    assert tokens == cold.run(body)[0]
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF"])
@@ -441,6 +476,7 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
     """Pixels are decoded in an executor, not on the event loop or the
     generation thread; a stream gets keepalives while its image stretch is
     prefilled."""
+    import copy
     import threading
 
     from compat.launch import parse_sse

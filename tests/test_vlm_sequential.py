@@ -213,3 +213,33 @@ def test_a_template_only_in_chat_template_json(fixture_path, tmp_path):
     (folder / "chat_template.json").unlink()
     with pytest.raises(ValueError, match="no chat template"):
         plan(folder)
+
+
+def test_planned_off_the_generation_thread(runner, reference):
+    """Engine.plan runs mlx-vlm's input preparation on the caller's thread
+    (the API's planning thread): the generation thread uses that plan as it
+    is, and the tokens are mlx-vlm's own."""
+    import copy
+    import threading
+
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect
+
+    messages = CONVERSATIONS["two images"]
+    body = {"model": "m3", "messages": messages, "max_tokens": 10}
+    runner.run({**body, "max_tokens": 1})  # (m3 loaded: plan() leaves other models to the engine)
+    # (A copy: planning converts the messages in place.)
+    parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), runner.args)
+    planned = []
+    planner = threading.Thread(target=lambda: planned.append(
+        runner.engine.plan(parsed.request, parsed.args)))
+    planner.start()
+    planner.join()
+    assert planned[0] is not None
+    parsed.request.planned = planned[0]
+    before = runner.engine.planned_at_admission
+    channel = Collect()
+    runner.engine.submit(channel, parsed.request, parsed.args)
+    tokens, _ = channel.result()
+    assert runner.engine.planned_at_admission == before
+    assert tokens == reference(messages, 10)
