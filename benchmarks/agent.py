@@ -75,6 +75,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks.harness import fixture_or_model
 from compat.launch import OURS, UPSTREAM, ServerProcess
 from mlx_lm_plus.prompt import common_prefix
 
@@ -684,14 +685,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-agent-"))
-    model = args.model
-    if model is None:
-        import os
-
-        from tests.fixtures import build_fixture
-
-        root = os.environ.get("MLX_LM_PLUS_FIXTURES") or work / "fixtures"
-        model = str(build_fixture(args.kind, Path(root)))
+    model = fixture_or_model(args, work / "fixtures", kind=args.kind)
     out = measure(model, apis=args.api or list(APIS), upstream=not args.no_upstream,
                   turns=args.turns, n_tools=args.tools, result_chars=args.result_chars,
                   max_tokens=args.max_tokens,

@@ -9,6 +9,7 @@ and output tokens.
 """
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,14 +27,16 @@ def add_model_args(parser, default_kind: str) -> None:
                         help="fixture kind (tests/fixtures.py) when no --model")
 
 
-def fixture_or_model(args, work) -> str:
-    """--model, or the fixture --model-kind built under `work`."""
+def fixture_or_model(args, work, kind: Optional[str] = None) -> str:
+    """--model, or the fixture of `kind` (default: --model-kind), built in
+    $MLX_LM_PLUS_FIXTURES (the tests' folder: built once) or under `work`."""
     if args.model:
         return args.model
     from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
 
-    build = build_vision_fixture if args.model_kind in VISION_KINDS else build_fixture
-    return str(build(args.model_kind, work))
+    kind = kind or args.model_kind
+    build = build_vision_fixture if kind in VISION_KINDS else build_fixture
+    return str(build(kind, Path(os.environ.get("MLX_LM_PLUS_FIXTURES") or work)))
 
 
 @dataclass

@@ -137,11 +137,7 @@ def main(argv=None) -> Dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="bench-kv-bits-"))
     if not args.model:
-        import os
-
-        root = os.environ.get("MLX_LM_PLUS_FIXTURES")
-        work_fixtures = Path(root) if root else work / "fixtures"
-        args.model = fixture_or_model(args, work_fixtures)
+        args.model = fixture_or_model(args, work / "fixtures")
     model = args.model
     servers = configs(bits)
     raw: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in servers}

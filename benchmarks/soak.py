@@ -45,7 +45,6 @@ Exits 1 when the verdict fails.
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -560,8 +559,7 @@ def main(argv=None) -> int:
     args.model_kind = KINDS.get(args.model_kind, args.model_kind)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-soak-"))
-    fixtures = os.environ.get("MLX_LM_PLUS_FIXTURES")
-    model = fixture_or_model(args, Path(fixtures) if fixtures else work)
+    model = fixture_or_model(args, work)
     log = work / "server.log"
     server_args = ["--model", model, "--prompt-cache-bytes", str(args.prompt_cache_bytes),
                    *args.server_arg]

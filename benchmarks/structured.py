@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
-from benchmarks.harness import delta_text, stream_events
+from benchmarks.harness import delta_text, fixture_or_model, stream_events
 from compat.launch import OURS, ServerProcess
 
 # A nested object whose JSON can not be complete within a few hundred tokens:
@@ -288,14 +288,7 @@ def main(argv=None) -> Dict[str, Any]:
     batches = args.batch or [1, 8]
 
     work = Path(tempfile.mkdtemp(prefix="bench-structured-"))
-    model = args.model
-    if not model:
-        import os
-
-        from tests.fixtures import build_fixture
-
-        root = os.environ.get("MLX_LM_PLUS_FIXTURES") or work / "fixtures"
-        model = str(build_fixture(args.kind, Path(root)))
+    model = fixture_or_model(args, work / "fixtures", kind=args.kind)
 
     raw = measure_server(model, batches, args.repeats, args.max_tokens, log=work / "server.log")
     rows = summarize(raw)

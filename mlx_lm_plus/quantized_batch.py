@@ -121,8 +121,28 @@ class BatchQuantizedKVCache(_BaseCache):
         # attention takes the quantized kernel iff hasattr(cache, "bits")).
         self.quantized = False
         # The rows' offsets as Python ints: the quantization rule reads them
-        # without waiting for the arrays being computed.
+        # without waiting for the arrays being computed (see _lengths).
         self._lengths = [-l for l in left_padding]
+
+    @property
+    def _lengths(self) -> List[int]:
+        """The rows' offsets: a base per row plus what every row grew since
+        (a decode step adds to one int, not to a list, on every layer)."""
+        return [b + self._grown for b in self._base]
+
+    @_lengths.setter
+    def _lengths(self, lengths):
+        self._base, self._grown = list(lengths), 0
+        self._longest = None  # (worked out again when next needed)
+
+    def _longest_real(self) -> float:
+        """The longest row's real length at the end of this call (a prefill
+        chunk's right padding leaves at finalize)."""
+        if self._longest is None:
+            right = self._right_padding or [0] * len(self._base)
+            self._longest = max((b - r for b, r in zip(self._base, right)),
+                                default=float("-inf"))
+        return self._longest + self._grown
 
     def quantize(self):
         """Store the layer (all rows, the whole buffer) quantized."""
@@ -165,7 +185,7 @@ class BatchQuantizedKVCache(_BaseCache):
                 self.values = tree_map(cat, self.values, new_v)
         self.offset = self.offset + n
         self._idx += n
-        self._lengths = [l + n for l in self._lengths]
+        self._grown += n
         if self.quantized:
             for i in range(3):
                 self.keys[i][..., prev : self._idx, :] = keys[i]
@@ -174,11 +194,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self.keys[..., prev : self._idx, :] = keys
             self.values[..., prev : self._idx, :] = values
         fetched = self.keys_and_values()
-        # Real lengths at the end of this call (a prefill chunk's right
-        # padding leaves at finalize).
-        right = self._right_padding or [0] * len(self._lengths)
-        if not self.quantized and any(l - r >= self.quantized_kv_start
-                                      for l, r in zip(self._lengths, right)):
+        if not self.quantized and self._longest_real() >= self.quantized_kv_start:
             self.quantize()  # this call attends `fetched`, still float
         return fetched
 
@@ -194,6 +210,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self._lengths = [l - p for l, p in zip(self._lengths, left_padding)]
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = list(right_padding)
+            self._longest = None
 
     def finalize(self):
         """Move the right padding of a prefill chunk to the left (as
