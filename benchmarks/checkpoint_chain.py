@@ -33,7 +33,7 @@ def chain_figures(model_path: str, turns: int, max_tokens: int = 16) -> dict:
         for t in range(turns):
             messages.append({"role": "user", "content": _user(0, t)})
             tokens, _, _ = runner.run({"messages": messages, "max_tokens": max_tokens})
-            text = runner.provider.tokenizer.decode(tokens)
+            text = runner.loaded.tokenizer.decode(tokens)
             messages.append({"role": "assistant", "content": _reply(text)})
         store = runner.store
         entries = store.entries()

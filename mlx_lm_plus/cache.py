@@ -802,6 +802,23 @@ class PromptStore:
                 return 0
             return self._descend(model, array(_TOKENS, key))[1]
 
+    def divergence(self, model: Any, key: List[int]) -> Tuple[int, bool]:
+        """(shared_depth, whether a checkpoint there is worth storing): not
+        where `key` leaves only a reply it abandons (a "generated" leaf left
+        inside its reply, which _drop_abandoned_replies drops once this
+        request stores past it). Its state would then sit on a path that
+        doesn't branch: a chat client re-rendering the reply its own way (a
+        reasoning block dropped) does so again next time, and follows this
+        request's path."""
+        with self._lock:
+            if not key:
+                return 0, False
+            _, depth, _, left = self._descend(model, array(_TOKENS, key))
+            abandoned = (left is not None and not left.children and left.entry is not None
+                         and left.entry.kind == "generated"
+                         and 0 < left.entry.reply_start <= depth)
+            return depth, not abandoned
+
     @staticmethod
     def _nearest_entry(node: _Node) -> Optional[_Node]:
         """The shallowest entry in the subtree of `node` (in tokens; between
@@ -880,6 +897,8 @@ class PromptStore:
             if trimmable:
                 self._drop_redundant_prefixes(node)
             self._drop_abandoned_replies(node)
+            if kind == "checkpoint":
+                self._drop_passed_prompt(node)
             evicted = self._enforce_limits(keep=entry)
         self._evict_as_the_group(evicted, keep=entry)
         with self._lock:
@@ -1035,6 +1054,22 @@ class PromptStore:
             if (sibling is not node and old is not None and not sibling.children
                     and old.kind == "generated" and 0 < old.reply_start <= parent.depth):
                 self._remove(old, reason="abandoned")
+
+    def _drop_passed_prompt(self, node: _Node):
+        """A message boundary stored past a "prompt" entry with no branch
+        between them: the conversation went on to its next turn, which
+        resumes from its own entries, not that one. The old entry (at the
+        end of a past turn's prompt) is left for a regenerate of that past
+        turn only, at the cost of its state: it goes; the path's KV stays.
+        Where the path branches (another conversation or a regenerate took
+        it elsewhere), it stays. (Trimmable entries never get here: the
+        new entry already replaced them, _drop_redundant_prefixes.)"""
+        n = node.parent
+        while n is not None and n.entry is None and len(n.children) == 1:
+            n = n.parent
+        if (n is not None and n.entry is not None and n.entry.kind == "prompt"
+                and len(n.children) == 1):
+            self._remove(n.entry, reason="passed")
 
     def _drop_redundant_prefixes(self, node: _Node):
         n = node.parent

@@ -51,7 +51,7 @@ from queue import Empty, Queue
 import threading
 from threading import Thread
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import (
@@ -573,6 +573,13 @@ class Engine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.unhealthy_reason is None
 
+    def _group_lost(self, e: BaseException) -> EngineUnavailable:
+        """The 503 of a request held when the distributed group ended. /health
+        says it from now on, before that request's client can ask (the
+        thread's _shut_down then adds when the process exits)."""
+        self.unhealthy_reason = f"{group_end_reason(e)}: {e}"
+        return group_lost_error(e)
+
     def _unavailable(self) -> EngineUnavailable:
         return EngineUnavailable(
             f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
@@ -775,7 +782,7 @@ class Engine:
                 None if data is None else _unpickle(data))
         except Exception as e:
             if request is not None:
-                request[0].put(group_lost_error(e))
+                request[0].put(self._group_lost(e))
             raise
         finally:
             self._handing_off = None
@@ -890,12 +897,14 @@ class Engine:
             planned = Planned(lm.key, plan, self._constraint(request, lm.tokenizer, plan))
         return planned
 
-    def _shared_depth(self, lm, plan: PromptPlan) -> int:
-        """How far the store's paths follow this prompt (not into an image)."""
-        depth = self.store.shared_depth(lm.key, plan.cache_key)
+    def _shared_depth(self, lm, plan: PromptPlan) -> Tuple[int, int]:
+        """How far the store's paths follow this prompt (not into an image),
+        and where a divergence checkpoint is worth storing (0: nowhere; see
+        PromptStore.divergence)."""
+        depth, worth_it = self.store.divergence(lm.key, plan.cache_key)
         if isinstance(plan.vision, VisionPrompt):
             depth = plan.vision.safe_prefix(depth)
-        return depth
+        return depth, depth if worth_it else 0
 
     @staticmethod
     def _split(plan: PromptPlan, depth: int):
@@ -1159,7 +1168,7 @@ class Engine:
                     self._admit(request, stream)
                 except Exception as e:
                     if self._is_distributed and ends_the_group(e):
-                        request[0].put(group_lost_error(e))  # (no longer held below)
+                        request[0].put(self._group_lost(e))  # (no longer held below)
                         raise  # (the whole group is down: _run ends it)
                     # Whatever slipped past validation fails this request
                     # only, and it is answered.
@@ -1274,7 +1283,7 @@ class Engine:
             return self._find_readiness(request)
         except Exception as e:  # (what slipped past validation: this request's)
             if self._is_distributed and ends_the_group(e):
-                request[0].put(group_lost_error(e))
+                request[0].put(self._group_lost(e))
                 raise  # (the whole group is down: _run ends it)
             logging.exception("Could not place a request")
             return request_error(e, "admitting the request")
@@ -1573,10 +1582,10 @@ class Engine:
             channel.put(e)
             return None
         plan = planned.plan
-        depth = self._shared_depth(lm, plan)
+        depth, divergence = self._shared_depth(lm, plan)
         if park is not None and park(planned, depth):
             return PARKED
-        segments = self._split(plan, depth)
+        segments = self._split(plan, divergence)
         cache, cached = self._fetch_cache(lm, plan.cache_key)
         ctx, stop_sequences = self._context(lm, plan, args)
         ctx.prompt_cache_count = cached
@@ -1734,7 +1743,7 @@ class Engine:
         the cached prefix, the images and checkpoints prefilled here, the
         rest in stream_generate."""
         model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
-        segments = self._split(plan, self._shared_depth(lm, plan))
+        segments = self._split(plan, self._shared_depth(lm, plan)[1])
         vision_support = _vision(lm)
         cache, ctx.prompt_cache_count = self._fetch_cache(lm, plan.cache_key)
         covered = ctx.prompt_cache_count

@@ -431,6 +431,13 @@ class _RefStore:
                 if n.entry is not None and can_trim_prompt_cache(n.entry.cache):
                     self._remove(n.entry, reason="redundant")
                 n = n.parent
+        if kind == "checkpoint":  # a boundary past a prompt entry, unbranched
+            n = node.parent
+            while n is not None and n.entry is None and len(n.children) == 1:
+                n = n.parent
+            if n is not None and n.entry is not None and n.entry.kind == "prompt" \
+                    and len(n.children) == 1:
+                self._remove(n.entry, reason="passed")
         self._enforce_limits(keep=entry)
 
     @staticmethod
@@ -1080,6 +1087,55 @@ def test_an_abandoned_reply_goes_and_a_continued_one_stays(make):
     counted = store.recount()
     assert store.kv_bytes == counted["kv_bytes"] and store.index_bytes == counted["index_bytes"]
     assert store.kv_bytes < before + 3 * 2 * 16 + 16  # the old tail's KV freed
+
+
+def test_no_divergence_checkpoint_where_a_prompt_leaves_only_an_abandoned_reply():
+    """divergence(): a prompt that leaves a "generated" leaf inside its reply
+    (a client re-rendering the reply its own way) is not worth a checkpoint
+    there; one that leaves any other path is (an edit: the next variant
+    resumes there)."""
+    store = PromptStore(max_bytes=1 << 30)
+    prompt, reply = [1, 2, 3, 4], [50, 51, 52, 53]
+    store.insert(MODEL, prompt, hybrid(4), "prompt")
+    store.insert(MODEL, prompt + reply, hybrid(8), "generated", reply_start=4)
+    assert store.divergence(MODEL, prompt + reply[:2] + [9, 9]) == (6, False)
+    assert store.divergence(MODEL, prompt + reply + [9]) == (8, True)  # continues it
+    assert store.divergence(MODEL, [1, 2, 7, 7, 7]) == (2, True)  # an edit of the prompt
+    store.insert(MODEL, prompt + reply[:2] + [9, 9, 8], hybrid(9), "checkpoint")
+    assert store.stats["abandoned"] == 1
+    # The same prompt again: where it leaves a path it took itself, a checkpoint is
+    # worth it (another variant of the same re-render).
+    assert store.divergence(MODEL, prompt + reply[:2] + [9, 5]) == (7, True)
+    assert store.divergence(MODEL, []) == (0, False)
+
+
+def test_a_boundary_past_a_prompt_entry_drops_it_unless_the_path_branches():
+    """A message boundary stored past a "prompt" entry on an unbranched path
+    (the conversation's next turn) drops that entry's state; where another
+    path branches off between them, the entry stays. Trimmable entries are
+    not affected (the later entry replaces them anyway)."""
+    store = PromptStore(max_bytes=1 << 30)
+    turn = list(range(1, 11))
+    store.insert(MODEL, turn, hybrid(10), "prompt")
+    store.insert(MODEL, turn + [20, 21, 22], hybrid(13), "checkpoint")
+    assert {e.key for e in store.entries()} == {tuple(turn + [20, 21, 22])}
+    assert store.stats["passed"] == 1
+    counted = store.recount()
+    assert store.kv_bytes == counted["kv_bytes"] and store.index_bytes == counted["index_bytes"]
+    # A "prompt" entry with a branch below it (two replies kept, or two
+    # conversations) stays.
+    other = list(range(100, 110))
+    store.insert(MODEL, other, hybrid(10), "prompt")
+    store.insert(MODEL, other + [5, 5], hybrid(12), "prompt")  # (a prompt: no rule)
+    store.insert(MODEL, other + [6], hybrid(11), "generated", reply_start=11)
+    store.insert(MODEL, other + [5, 5, 7, 7], hybrid(14), "checkpoint")
+    assert tuple(other) in {e.key for e in store.entries()}  # branched: kept
+    assert tuple(other + [5, 5]) not in {e.key for e in store.entries()}  # passed
+    assert store.stats["passed"] == 2
+    # Other kinds above a boundary stay.
+    store.insert(MODEL, [200, 201], hybrid(2), "system")
+    store.insert(MODEL, [200, 201, 202], hybrid(3), "checkpoint")
+    assert (200, 201) in {e.key for e in store.entries()}
 
 
 def test_kv_bits_caches_are_held_whole_in_both_layouts():

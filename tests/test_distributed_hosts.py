@@ -374,7 +374,7 @@ def test_a_lost_host_ends_the_group(fixture_path, tmp_path, failure, path):
                 # timeout catches both.
                 assert "stuck" in error and answered < timeout + 5, (error, answered)
             status, health = server.get("/health")
-            assert status == 503 and health.get("reason"), health
+            assert status == 503 and health.get("reason"), (health, result)
             codes = server.wait_all(timeout + grace + 30)
             assert codes[0] == 70, (codes, server.log(0)[-2000:])
             if failure == "link cut":
