@@ -165,3 +165,35 @@ def test_draft_model_entries_are_cut_to_the_tokens_they_hold(fixture_path):
     finally:
         cached.close()
         cold.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "mamba2"])
+def test_a_conversation_keeps_one_state_per_turn(kind, fixture_path):
+    """A chat client's conversation, its replies sent back with their
+    reasoning dropped by the template: each turn resumes from the previous
+    turn's prompt entry (all but the prompt's last token and the re-rendered
+    reply cached), and what stays is one state per turn: the system prompt,
+    the boundary at the start of each later user message, the latest
+    prompt and its reply. No divergence checkpoint inside an abandoned
+    reply, no past turn's prompt entry. Replies equal cold ones."""
+    runner = EngineRunner(fixture_path(kind))
+    cold = EngineRunner(fixture_path(kind), max_bytes=0)
+    try:
+        messages = [{"role": "system", "content": SYSTEM}]
+        previous = 0
+        for t in range(6):
+            messages.append({"role": "user", "content": f"Turn {t}: plan day {t} by the sea."})
+            body = {"messages": messages, "max_tokens": 8}
+            tokens, prompt, cached = runner.run(body)
+            assert tokens == cold.run(body)[0]
+            if t:
+                assert previous - 1 <= cached < prompt
+            previous = prompt
+            text = runner.loaded.tokenizer.decode(tokens)
+            messages.append({"role": "assistant", "content": f"<think>hm</think>{text}"})
+        kinds = sorted(e.kind for e in runner.store.entries())
+        assert kinds == ["checkpoint"] * 5 + ["generated", "prompt", "system"], kinds
+        assert runner.store.stats["passed"] == 5
+    finally:
+        runner.close()
+        cold.close()
