@@ -1560,8 +1560,7 @@ class Engine:
             stepped += time.perf_counter() - step_tic
 
         admission = self._prepare(
-            lm, channel, req, args,
-            park=lambda planned, depth: batch.park(request, planned, depth),
+            lm, channel, req, args, batch=(batch, request),
             between_chunks=None if self._is_distributed else between_chunks)
         if admission is not PARKED:
             if admission is not None:
@@ -1569,13 +1568,15 @@ class Engine:
             self.admitted += 1
         self.thread_seconds["admission"] += time.perf_counter() - tic - stepped
 
-    def _prepare(self, lm, channel, request, args, park=None, between_chunks=None):
+    def _prepare(self, lm, channel, request, args, batch=None, between_chunks=None):
         """A request's admission into the batch: its plan, its cached prefix
         and, on vision-language models, its images through the vision tower
         and prefilled (unless the cache covers them; `between_chunks`: see
         _resume). Errors that are the request's own are answered here
-        (None); others raise for the admission guard. `park(planned, depth)`
-        may hold the request back before anything is fetched (PARKED)."""
+        (None); others raise for the admission guard. `batch`: (the _Batch,
+        the request as queued), which may hold it back before anything is
+        fetched (PARKED), and whose requests may store its divergence
+        checkpoint already."""
         try:
             planned = self._plan(lm, request, args)
         except PromptError as e:
@@ -1583,8 +1584,11 @@ class Engine:
             return None
         plan = planned.plan
         depth, divergence = self._shared_depth(lm, plan)
-        if park is not None and park(planned, depth):
-            return PARKED
+        if batch is not None:
+            if batch[0].park(batch[1], planned, depth):
+                return PARKED
+            if batch[0].will_store(plan.cache_key, divergence):
+                divergence = 0  # (another request of the batch stores it)
         segments = self._split(plan, divergence)
         cache, cached = self._fetch_cache(lm, plan.cache_key)
         ctx, stop_sequences = self._context(lm, plan, args)
@@ -1897,6 +1901,9 @@ class _Batch:
         # those whose wait is over, for the engine to admit again.
         self._parked: List[list] = []
         self._unparked: List[tuple] = []
+        # Steps to run without a prompt chunk, so that a request's first
+        # token is handed out before one (see _step).
+        self._decode_only = 0
         self._new_generator()
 
     def _new_generator(self):
@@ -1951,6 +1958,8 @@ class _Batch:
         # The positions of the checkpoints this request will store.
         ends = list(itertools.accumulate((len(s) for s in segments[:-1]), initial=a.cached))[1:]
         processors = _make_logits_processors(a.args) + ([a.constraint] if a.constraint else [])
+        if sum(map(len, segments)) == 1:  # (its prompt is in but its last token)
+            self._decode_only = 2
         # (An error here is answered by the engine's admission guard.)
         (uid,) = self.generator.insert_segments(
             segments=[segments],
@@ -2063,7 +2072,12 @@ class _Batch:
         engine = self.engine
         engine.steps += 1
         # (BatchGenerator reads it at each step, for the chunk it cuts next.)
-        self.generator.prefill_step_size = prefill_chunk(
+        # A request whose prompt is in but its last token gets its first
+        # token computed by the next step and returned by the one after,
+        # each after that step's decode; a prompt chunk in either (of another
+        # request) would come before it: those two steps cut none (0).
+        decode_only, self._decode_only = self._decode_only > 0, max(0, self._decode_only - 1)
+        self.generator.prefill_step_size = 0 if decode_only else prefill_chunk(
             engine.cli_args.prefill_step_size, self.decoding)
         tic = time.perf_counter()
         prompt_responses, gen_responses = self.generator.next()
@@ -2077,6 +2091,8 @@ class _Batch:
 
         for r in prompt_responses:
             self._outbox.append((self.results[r.uid]["channel"], r.progress))
+            if r.progress[1] - r.progress[0] == 1:
+                self._decode_only = 2
 
         # Each request's checkpoints are its own segment ends: the cache
         # extracted there covers exactly the tokens that request has seen.
@@ -2127,6 +2143,19 @@ class _Batch:
                 del self.results[r.uid]
                 self._unpark(r.uid)
         return True
+
+    def will_store(self, key, position: int) -> bool:
+        """Whether a request of this batch is about to store a checkpoint at
+        `key[:position]` (requests that arrive together with different last
+        messages diverge from the store at the same point: one stores it)."""
+        if not position:
+            return False
+        for r in self.results.values():
+            if position in r["ends"]:
+                prefix = r["key_prefix"]
+                if prefix[position - 1] == key[position - 1] and prefix[:position] == key[:position]:
+                    return True
+        return False
 
     def park(self, request, planned: Planned, cached: int) -> bool:
         """Hold `request` back if a request in the batch is about to store a
