@@ -16,11 +16,12 @@ CHUNK = prefill_chunk(STEP, True)
 
 
 @contextlib.contextmanager
-def model_calls(model, *methods):
+def model_calls(model, *methods, into=None):
     """Record (method, tokens in the call) for each call of `methods` on the
-    model's class, in order."""
+    model's class, in order (in `into`, if given)."""
     cls = type(model)
-    calls, saved = [], {name: cls.__dict__.get(name) for name in methods}
+    calls = into if into is not None else []
+    saved = {name: cls.__dict__.get(name) for name in methods}
 
     def recording(name, own):
         def call(self, inputs, *args, **kwargs):
@@ -127,3 +128,71 @@ def test_prefill_chunk():
     assert prefill_chunk(2048, True) == 512
     assert prefill_chunk(64, True) == 32  # (never below DECODING_CHUNK_MIN)
     assert prefill_chunk(8, True) == 8  # (nor above the step itself)
+
+
+def test_a_finished_prompt_gets_its_first_token_before_another_prompts_chunk(fixture_path):
+    """A short request admitted beside a long one: once its prompt is in, the
+    step that computes its first token and the one that hands it out run
+    no chunk of the long prompt, so the token doesn't wait for one."""
+    from mlx_lm.server import Response
+
+    from tests.engine_harness import Collect
+
+    events = []
+
+    class Short(Collect):
+        def put(self, item):
+            if isinstance(item, Response) and "first token" not in events:
+                events.append("first token")
+            super().put(item)
+
+    runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", str(STEP)])
+    alone = EngineRunner(fixture_path("qwen3"), max_bytes=0)
+    try:
+        short = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
+        long = {"messages": [{"role": "user", "content": " ".join(
+            f"Item {i} is blue." for i in range(120))}], "max_tokens": 4}
+        runner.run({**short, "max_tokens": 1})  # (compiled shapes; then a fresh store)
+        runner.engine.store.clear()
+        from mlx_lm_plus.validation import parse_request
+
+        with model_calls(runner.loaded.model, "__call__", into=events):
+            a = Short()
+            parsed = parse_request("/v1/chat/completions", short, runner.args)
+            runner.engine.submit(a, parsed.request, parsed.args)
+            b = runner.submit(long)
+            a_tokens, _ = a.result()
+            b_tokens, _ = b.result()
+        first = events.index("first token")
+        chunks = [e for e in events[:first] if e[0] == "__call__" and e[1] > 1]
+        # Its own prompt (beside the long one's first chunk, or alone).
+        assert len(chunks) == 1, events[:first + 1]
+        assert sum(1 for e in events if e[0] == "__call__" and e[1] > 1) > 3  # (the long one)
+        assert a_tokens == alone.run(short)[0] and b_tokens == alone.run(long)[0]
+    finally:
+        runner.close()
+        alone.close()
+
+
+def test_requests_diverging_together_store_their_divergence_checkpoint_once(fixture_path):
+    """Requests that arrive together and leave the store's paths at the same
+    point: one of them stores the checkpoint there; each reply is the one it
+    gets alone."""
+    runner = EngineRunner(fixture_path("qwen3_5"))
+    alone = EngineRunner(fixture_path("qwen3_5"), max_bytes=0)
+    try:
+        system = {"role": "system", "content": "You answer in one line about the river trip."}
+
+        def body(i):
+            return {"messages": [system, {"role": "user", "content":
+                    f"Please tell me, in a few words, what happens on day {i} of the trip."}],
+                    "max_tokens": 4}
+
+        runner.run(body(9))  # the store's path: the divergence is at the day's number
+        before = runner.engine.store.stats["insert_checkpoint"]
+        replies = runner.run_all([body(i) for i in range(4)])
+        assert runner.engine.store.stats["insert_checkpoint"] - before == 1
+        assert replies == [alone.run(body(i))[0] for i in range(4)]
+    finally:
+        runner.close()
+        alone.close()
