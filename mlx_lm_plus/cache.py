@@ -475,6 +475,9 @@ def cache_nbytes(cache: List[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
 
+# A past turn's prompt entry is dropped once its conversation went on only
+# when the state above it is at most this many tokens back (_drop_passed_prompt).
+PASSED_PROMPT_MAX_GAP = 256
 # Seconds a disk entry read ahead for a request waits for its fetch (a
 # request that went away, or waited longer, lets it go: nbytes counts it).
 READ_AHEAD_SECONDS = 60.0
@@ -487,7 +490,7 @@ class ReadAhead:
     model: Any
     key: List[int]  # the request's key it was read for
     handle: Any  # the tier's DiskEntry
-    cache: List[Any]  # as the tier's load returns it
+    cache: Optional[List[Any]]  # as the tier's load returns it; None while read
     nbytes: int
     read_at: float
 
@@ -540,7 +543,6 @@ class PromptStore:
         # in nbytes while held.
         self._read_ahead: Dict[Tuple[Any, str], ReadAhead] = {}
         self.read_ahead_bytes = 0
-        self._clears = 0  # DELETE /v1/cache calls (a read ahead across one is dropped)
         self._no_spill = False  # set by trim_to(to_disk=False) while it runs
         # Under mx.distributed each rank has a store of its share of every
         # entry, and all must decide alike: `group_max(values)` is each
@@ -603,7 +605,8 @@ class PromptStore:
                     found = self._find(model, key)
         if self._read_ahead:
             with self._lock:  # (read ahead for nothing: memory or another entry served)
-                self._drop_read_ahead(lambda r: r.model == model and r.key == key)
+                self._drop_read_ahead(lambda r: r.model == model and r.key == key
+                                      and r.cache is not None)
                 self._drop_stale_read_ahead()
         with self._lock:
             self.stats[f"fetch_{found.kind}"] += 1
@@ -618,8 +621,10 @@ class PromptStore:
         request (read_ahead), it is not read here."""
         with self._lock:
             ahead = self._read_ahead.get((model, handle.name))
-            if ahead is not None:
+            if ahead is not None and ahead.cache is not None:
                 self._drop_read_ahead(lambda r: r is ahead)
+            else:
+                ahead = None  # (none, or still being read: read here)
         if ahead is not None and ahead.handle.ntokens == handle.ntokens:
             stored = ahead.cache
             with self._lock:
@@ -662,24 +667,40 @@ class PromptStore:
         if on_disk is None:
             return False
         covered, handle = on_disk
+        name = (model, handle.name)
         with self._lock:
             room = (self.max_bytes is None
                     or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4)
-            if (not room or (model, handle.name) in self._read_ahead
+            if (not room or name in self._read_ahead
                     or self._find(model, key, floor=covered, probe=True).kind != "miss"):
                 return False
-            clears = self._clears
-        cache = tier.load(handle)  # (its arrays evaluated on this thread)
-        if cache is None:
-            return False
-        with self._lock:
-            if self._clears != clears or (model, handle.name) in self._read_ahead:
-                return False  # (DELETE /v1/cache came between; or read twice)
-            ahead = ReadAhead(model, list(key), handle, cache, cache_nbytes(cache),
-                              self._clock())
-            self._read_ahead[(model, handle.name)] = ahead
+            # Its place and bytes (the file's size) are taken before the read:
+            # handlers reading at once don't read it twice, nor past the cap.
+            ahead = self._read_ahead[name] = ReadAhead(
+                model, list(key), handle, None, handle.nbytes, self._clock())
             self.read_ahead_bytes += ahead.nbytes
-        return True
+        cache = None
+        try:
+            cache = tier.load(handle)  # (its arrays evaluated on this thread)
+        finally:
+            with self._lock:
+                if self._read_ahead.get(name) is ahead:  # (not dropped meanwhile)
+                    self.read_ahead_bytes -= ahead.nbytes
+                    if cache is None:
+                        del self._read_ahead[name]
+                    else:
+                        ahead.cache, ahead.nbytes = cache, cache_nbytes(cache)
+                        self.read_ahead_bytes += ahead.nbytes
+                else:
+                    cache = None  # (DELETE /v1/cache, or stale: let go)
+        return cache is not None
+
+    def drop_stale_read_ahead(self):
+        """Let go of disk entries read ahead that nothing fetched in time (a
+        client that went away): the generation thread's housekeeping."""
+        if self._read_ahead:
+            with self._lock:
+                self._drop_stale_read_ahead()
 
     def _drop_stale_read_ahead(self):
         now = self._clock()
@@ -1060,15 +1081,22 @@ class PromptStore:
         between them: the conversation went on to its next turn, which
         resumes from its own entries, not that one. The old entry (at the
         end of a past turn's prompt) is left for a regenerate of that past
-        turn only, at the cost of its state: it goes; the path's KV stays.
-        Where the path branches (another conversation or a regenerate took
-        it elsewhere), it stays. (Trimmable entries never get here: the
-        new entry already replaced them, _drop_redundant_prefixes.)"""
+        turn, or another conversation opening the same way, which would
+        resume from the state above it instead: when that is at most
+        PASSED_PROMPT_MAX_GAP tokens back (a short message), the entry goes
+        (its state; the path's KV stays). Where the path branches, or the
+        message was long (a document), it stays. (Trimmable entries never
+        get here: the new entry already replaced them.)"""
         n = node.parent
         while n is not None and n.entry is None and len(n.children) == 1:
             n = n.parent
-        if (n is not None and n.entry is not None and n.entry.kind == "prompt"
-                and len(n.children) == 1):
+        if (n is None or n.entry is None or n.entry.kind != "prompt"
+                or len(n.children) != 1):
+            return
+        above = n.parent
+        while above is not None and above.entry is None:
+            above = above.parent
+        if n.depth - (above.depth if above is not None else 0) <= PASSED_PROMPT_MAX_GAP:
             self._remove(n.entry, reason="passed")
 
     def _drop_redundant_prefixes(self, node: _Node):
@@ -1211,7 +1239,6 @@ class PromptStore:
     def clear(self):
         """Drop every entry, the disk tiers' too (DELETE /v1/cache)."""
         with self._lock:
-            self._clears += 1
             self._drop_read_ahead(lambda r: True)
             for entry in list(self._entries):
                 self._remove(entry, reason="cleared")

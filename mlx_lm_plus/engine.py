@@ -45,6 +45,7 @@ import math
 import os
 import pickle
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from queue import Empty, Queue
@@ -100,6 +101,9 @@ PARK_MIN_TOKENS = 32
 # prompt. Alone, a prompt takes whole chunks.
 DECODING_CHUNK_DIVISOR = 4
 DECODING_CHUNK_MIN = 32
+# Batch steps in a row that may run without a prompt chunk to hand a first
+# token out sooner (_Batch._step): the two a first token takes.
+DECODE_ONLY_IN_A_ROW = 2
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
@@ -190,7 +194,7 @@ class InternalError(RuntimeError):
     """Something failed that is not the client's fault (500)."""
 
 
-@dataclass
+@dataclass(eq=False)  # (identity: Engine._image_plans is a WeakSet of them)
 class Planned:
     """A request planned off the generation thread (`Engine.plan`, run by the
     HTTP layer's planning thread): its prompt plan and its constraint's
@@ -377,6 +381,10 @@ class Engine:
         self._clear_lock = threading.Lock()
         self._shutting_down = threading.Lock()
         self._planning_since: Optional[float] = None  # Engine.plan running since
+        # Image requests planned ahead and not admitted yet (their plans hold
+        # the processor's pixel arrays, larger than the decoded images):
+        # at most --prompt-concurrency; the rest are planned at admission.
+        self._image_plans = weakref.WeakSet()
         self.hung = False
         self.exit_process = os._exit
 
@@ -855,7 +863,8 @@ class Engine:
         if self._is_distributed or lm is None:
             return None
         images = request.request_type == "chat" and any(_image_parts(request.messages))
-        if images and not _serves_images(lm):
+        if images and (not _serves_images(lm) or
+                       len(self._image_plans) >= self.cli_args.prompt_concurrency):
             return None
         self._planning_since = time.monotonic()  # watched, as the generation thread is
         try:
@@ -863,11 +872,14 @@ class Engine:
             constraint = self._constraint(request, lm.tokenizer, plan)
         finally:
             self._planning_since = None
+        planned = Planned(key, plan, constraint, on_disk=self.store.disk_for(key) is not None)
         if images:
             # The pixels are in the plan now: the request, which its handler
-            # holds to the end, lets the decoded ones go.
+            # holds to the end, lets the decoded ones go. (The plan leaves
+            # the set when admission or the client's going drops it.)
             request.images = None
-        return Planned(key, plan, constraint, on_disk=self.store.disk_for(key) is not None)
+            self._image_plans.add(planned)
+        return planned
 
     def read_ahead(self, planned: Planned) -> None:
         """Read a planned request's entry from the disk tier on the caller's
@@ -1004,8 +1016,8 @@ class Engine:
                 step = prefill_chunk(step, self._decoding())
 
                 def progress(done, total, own=progress):
-                    own(done, total)
                     between_chunks()
+                    own(done, total)  # (then the watchdog's beat is the chunk's again)
 
             cached = vision.prefill(
                 model, plan.tokens, images, cache, cached, step,
@@ -1475,6 +1487,7 @@ class Engine:
             return  # (a finished load is taken at once: its requests wait)
         self._housekept = now
         self._tick()
+        self.store.drop_stale_read_ahead()  # (a quiet server lets them go too)
         if self._clear_buffers and not self._any_active():
             self._clear_buffers = False
             gc.collect()
@@ -1902,8 +1915,10 @@ class _Batch:
         self._parked: List[list] = []
         self._unparked: List[tuple] = []
         # Steps to run without a prompt chunk, so that a request's first
-        # token is handed out before one (see _step).
+        # token is handed out before one (see _step), and how many ran in a
+        # row (at most DECODE_ONLY_IN_A_ROW: prompts keep going in).
         self._decode_only = 0
+        self._decode_only_run = 0
         self._new_generator()
 
     def _new_generator(self):
@@ -2076,7 +2091,12 @@ class _Batch:
         # token computed by the next step and returned by the one after,
         # each after that step's decode; a prompt chunk in either (of another
         # request) would come before it: those two steps cut none (0).
-        decode_only, self._decode_only = self._decode_only > 0, max(0, self._decode_only - 1)
+        # (Requests whose prompts were cached whole arm it as they come: at
+        # most DECODE_ONLY_IN_A_ROW such steps, then a chunk, so a stream of
+        # them can't hold a long prompt back.)
+        decode_only = self._decode_only > 0 and self._decode_only_run < DECODE_ONLY_IN_A_ROW
+        self._decode_only = max(0, self._decode_only - 1)
+        self._decode_only_run = self._decode_only_run + 1 if decode_only else 0
         self.generator.prefill_step_size = 0 if decode_only else prefill_chunk(
             engine.cli_args.prefill_step_size, self.decoding)
         tic = time.perf_counter()
@@ -2090,6 +2110,8 @@ class _Batch:
             self.enforce_budget()
 
         for r in prompt_responses:
+            if decode_only and not r.end_of_prompt:
+                continue  # (no chunk: their progress is as it was)
             self._outbox.append((self.results[r.uid]["channel"], r.progress))
             if r.progress[1] - r.progress[0] == 1:
                 self._decode_only = 2

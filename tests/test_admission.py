@@ -196,3 +196,38 @@ def test_requests_diverging_together_store_their_divergence_checkpoint_once(fixt
     finally:
         runner.close()
         alone.close()
+
+
+def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
+    """Each request whose prompt is cached whole asks for the two steps
+    without a prompt chunk that hand its first token out; when they keep
+    coming, at most DECODE_ONLY_IN_A_ROW such steps run in a row, then a
+    chunk (a long prompt still goes in)."""
+    import mlx.core as mx
+
+    from mlx_lm_plus.engine import DECODE_ONLY_IN_A_ROW, _Batch
+
+    runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", str(STEP)])
+    try:
+        batch = _Batch(runner.engine, runner.loaded, mx.default_stream(mx.default_device()))
+        batch.close()
+        sizes = []
+
+        class Generator:
+            prefill_step_size = None
+
+            def next(self):
+                sizes.append(self.prefill_step_size)
+                return [], []
+
+        batch.generator = Generator()
+        for _ in range(12):
+            batch._decode_only = 2  # (one more such request came in)
+            batch._step()
+        runs, run = [], 0
+        for size in sizes:
+            run = run + 1 if size == 0 else 0
+            runs.append(run)
+        assert max(runs) == DECODE_ONLY_IN_A_ROW and sizes.count(STEP) >= 12 // 3, sizes
+    finally:
+        runner.close()

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import (
 from mlx_lm_plus.cache import (
     ENTRY_BYTES,
     NODE_BYTES,
+    PASSED_PROMPT_MAX_GAP,
     Fetched,
     PromptStore,
     cache_nbytes,
@@ -431,13 +432,18 @@ class _RefStore:
                 if n.entry is not None and can_trim_prompt_cache(n.entry.cache):
                     self._remove(n.entry, reason="redundant")
                 n = n.parent
-        if kind == "checkpoint":  # a boundary past a prompt entry, unbranched
+        if kind == "checkpoint":  # a boundary past a short prompt entry, unbranched
             n = node.parent
             while n is not None and n.entry is None and len(n.children) == 1:
                 n = n.parent
             if n is not None and n.entry is not None and n.entry.kind == "prompt" \
                     and len(n.children) == 1:
-                self._remove(n.entry, reason="passed")
+                above = n.parent
+                while above is not None and above.entry is None:
+                    above = above.parent
+                if n.depth - (above.depth if above is not None else 0) \
+                        <= PASSED_PROMPT_MAX_GAP:
+                    self._remove(n.entry, reason="passed")
         self._enforce_limits(keep=entry)
 
     @staticmethod
@@ -968,6 +974,68 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
     tier.close()
 
 
+def test_read_ahead_by_handlers_at_once_reads_each_file_once_within_the_cap(tmp_path):
+    """Handlers reading ahead at the same time: one file is read once (its
+    place is taken before the read), and different entries together stay
+    within a quarter of the budget (their bytes are counted before the read)."""
+    import threading
+    import time as clock
+
+    keys = [[k] + list(range(1, 40)) for k in (100, 200, 300, 400)]
+    one = _holding([keys[0]], lambda n: [real_kv(n), real_kv(n, seed=1)])
+    store, tier = with_disk(tmp_path, max_bytes=10 * one)  # a quarter: two entries
+    for key in keys:
+        store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10) and len(store) == 0
+    loads, load = [], tier.load
+
+    def slow_load(handle):
+        loads.append(handle.name)
+        clock.sleep(0.2)  # (a long read: the others come meanwhile)
+        return load(handle)
+
+    tier.load = slow_load
+
+    def at_once(prompts):
+        threads = [threading.Thread(target=store.read_ahead, args=(MODEL, p)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    at_once([keys[0] + [7]] * 6)
+    assert len(loads) == 1 and store.read_ahead_bytes > 0
+    store.clear()
+    for key in keys:  # (the clear emptied the tier too: written again)
+        store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10)
+    loads.clear()
+    at_once([key + [7] for key in keys])
+    assert len(loads) == 2 and store.read_ahead_bytes <= store.max_bytes // 4
+    del tier.load
+    tier.close()
+
+
+def test_housekeeping_lets_go_of_a_stale_read_ahead(tmp_path):
+    """A read ahead whose request never came (its client went away) goes
+    on a quiet server too: the generation thread's housekeeping drops it."""
+    import mlx_lm_plus.cache as cache_module
+
+    key = list(range(1, 41))
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10)
+    assert store.read_ahead(MODEL, key + [7]) and store.nbytes > 0
+    now = store.now()
+    store.set_clock(lambda: now + cache_module.READ_AHEAD_SECONDS + 1)
+    store.drop_stale_read_ahead()
+    assert store.read_ahead_bytes == 0 and store.nbytes == 0
+    tier.close()
+
+
 def test_read_ahead_stays_within_a_quarter_of_the_budget(tmp_path):
     key = list(range(1, 41))
     one = _holding([key], lambda n: [real_kv(n), real_kv(n, seed=1)])
@@ -1136,6 +1204,15 @@ def test_a_boundary_past_a_prompt_entry_drops_it_unless_the_path_branches():
     store.insert(MODEL, [200, 201], hybrid(2), "system")
     store.insert(MODEL, [200, 201, 202], hybrid(3), "checkpoint")
     assert (200, 201) in {e.key for e in store.entries()}
+    # A long message (a document): another conversation opening with it
+    # would recompute it all from the state above; its entry stays.
+    system = [300, 301]
+    document = system + list(range(1000, 1001 + PASSED_PROMPT_MAX_GAP))
+    store.insert(MODEL, system, hybrid(2), "system")
+    store.insert(MODEL, document, hybrid(len(document)), "prompt")
+    store.insert(MODEL, document + [5, 6], hybrid(len(document) + 2), "checkpoint")
+    assert tuple(document) in {e.key for e in store.entries()}
+    assert store.stats["passed"] == 2
 
 
 def test_kv_bits_caches_are_held_whole_in_both_layouts():

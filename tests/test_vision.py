@@ -306,6 +306,39 @@ def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
     assert tokens == cold.run(body)[0]
 
 
+def test_image_plans_made_ahead_are_bounded(fixture_path):
+    """Plans hold the processor's pixel arrays until admission: at most
+    --prompt-concurrency image requests are planned ahead; the next one is
+    left to admission (planned there, as before), until one goes."""
+    import copy
+    import gc
+
+    from mlx_lm_plus.validation import parse_request
+
+    r = EngineRunner(fixture_path("qwen2_vl"), argv=["--prompt-concurrency", "2"])
+    try:
+        r.loaded  # (plan() leaves a request for a model not loaded yet to the engine)
+        body = {"messages": [user(image_part(RED), "What is it?")], "max_tokens": 4}
+
+        def plan():
+            parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), r.args)
+            return r.engine.plan(parsed.request, parsed.args)
+
+        first, second = plan(), plan()
+        assert first is not None and second is not None
+        assert plan() is None  # (two held: the third is planned at admission)
+        del first
+        gc.collect()
+        again = plan()
+        assert again is not None
+        # (Text requests are planned ahead whatever the images held.)
+        parsed = parse_request("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "Text only."}]}, r.args)
+        assert r.engine.plan(parsed.request, parsed.args) is not None
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "GIF"])
 def test_image_formats(runner, fmt):
     out = io.BytesIO()
