@@ -21,6 +21,7 @@ from typing import List, Optional
 from aiohttp import web
 from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
+from .cache import READ_AHEAD_SECONDS
 from .constraints import (
     ConstraintError,
     ConstraintUnavailable,
@@ -508,8 +509,12 @@ class Server:
             logging.exception("Planning a prompt failed")
             return
         if planned is not None and planned.on_disk:
-            # Its disk entry read here, not on the generation thread.
-            await loop.run_in_executor(None, self.engine.read_ahead, planned)
+            # Its disk entry read here, not on the generation thread; if
+            # another request's handler is reading it, that read is waited
+            # for (not cancelled if this client goes: others may wait too).
+            reading = await loop.run_in_executor(None, self.engine.read_ahead, planned)
+            if reading is not None:
+                await asyncio.wait({asyncio.wrap_future(reading)}, timeout=READ_AHEAD_SECONDS)
 
     def _vocab_size(self, name):
         """Model `name`'s vocabulary size for the top_k and logit_bias checks

@@ -88,10 +88,11 @@ import threading
 import time
 from array import array
 from collections import Counter
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -493,6 +494,7 @@ class ReadAhead:
     cache: Optional[List[Any]]  # as the tier's load returns it; None while read
     nbytes: int
     read_at: float
+    loaded: Future = field(default_factory=Future)  # (done when its read ends)
 
 
 class PromptStore:
@@ -650,14 +652,17 @@ class PromptStore:
             return None, 0, [], None
         return descend(root, key)
 
-    def read_ahead(self, model, key) -> bool:
+    def read_ahead(self, model, key) -> Union[bool, Future]:
         """Read the model's disk entry for `key` on the caller's thread (an
         HTTP handler's executor, once the request is planned) when it covers
         more of `key` than memory does: the generation thread's fetch then
         takes it (_from_disk) instead of reading the file while running
         streams wait. Held entries count in `nbytes`, together at most a
-        quarter of the budget; one not fetched within READ_AHEAD_SECONDS
-        is let go. Returns whether it read one."""
+        quarter of the budget; one not fetched within READ_AHEAD_SECONDS of
+        its read is let go. Returns True when it read one; when another
+        caller is reading that entry, the Future its read ends (the caller
+        waits for it rather than leave the read to the generation thread);
+        else False."""
         with self._lock:
             self._drop_stale_read_ahead()
             tier = None if self.disabled() else self._disks.get(model)
@@ -671,8 +676,10 @@ class PromptStore:
         with self._lock:
             room = (self.max_bytes is None
                     or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4)
-            if (not room or name in self._read_ahead
-                    or self._find(model, key, floor=covered, probe=True).kind != "miss"):
+            held = self._read_ahead.get(name)
+            if held is not None:
+                return held.loaded if held.cache is None else False
+            if not room or self._find(model, key, floor=covered, probe=True).kind != "miss":
                 return False
             # Its place and bytes (the file's size) are taken before the read:
             # handlers reading at once don't read it twice, nor past the cap.
@@ -690,9 +697,11 @@ class PromptStore:
                         del self._read_ahead[name]
                     else:
                         ahead.cache, ahead.nbytes = cache, cache_nbytes(cache)
+                        ahead.read_at = self._clock()
                         self.read_ahead_bytes += ahead.nbytes
                 else:
                     cache = None  # (DELETE /v1/cache, or stale: let go)
+            ahead.loaded.set_result(cache is not None)
         return cache is not None
 
     def drop_stale_read_ahead(self):

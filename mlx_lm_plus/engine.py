@@ -881,16 +881,19 @@ class Engine:
             self._image_plans.add(planned)
         return planned
 
-    def read_ahead(self, planned: Planned) -> None:
+    def read_ahead(self, planned: Planned) -> Optional[Future]:
         """Read a planned request's entry from the disk tier on the caller's
         thread (an HTTP handler's executor), when it covers more of the
         prompt than memory: the generation thread then takes it from memory
-        (PromptStore.read_ahead). Errors are left to the fetch, which reads
-        again and answers for them."""
+        (PromptStore.read_ahead). Returns the Future of another handler's
+        read of that entry, for the caller to wait for, or None. Errors are
+        left to the fetch, which reads again and answers for them."""
         try:
-            self.store.read_ahead(planned.model_key, planned.plan.cache_key)
+            read = self.store.read_ahead(planned.model_key, planned.plan.cache_key)
         except Exception:
             logging.exception("Prompt cache: reading ahead from disk failed")
+            return None
+        return read if isinstance(read, Future) else None
 
     def _plan(self, lm, request, args) -> Planned:
         """The request's plan for model `lm`: the one made off this thread if

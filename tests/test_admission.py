@@ -78,49 +78,55 @@ def assert_interleaved(calls, prefill_name):
         assert not (a[0] == b[0] == prefill_name and a[1] > 1 and b[1] > 1), during
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_a_long_prompt_goes_in_small_chunks_between_decode_steps(fixture_path, kind):
+def check_beside_a_stream(fixture_path, kind, b_body, min_prompt, prefill_name):
+    """Admit `b_body` while a stream decodes: its chunks are small and
+    interleaved with the stream's steps, and both replies are the ones each
+    gets alone."""
     runner = EngineRunner(fixture_path(kind), argv=["--prefill-step-size", str(STEP)])
     alone = EngineRunner(fixture_path(kind), max_bytes=0)
     try:
         a_body = a_stream(runner)
-        b_body = {"messages": [{"role": "user", "content": "A long question. " + " ".join(
-            f"Item {i} is blue and item {i + 1} is red." for i in range(60))}],
-            "max_tokens": 6}
-        with model_calls(runner.loaded.model, "__call__") as calls:
+        methods = dict.fromkeys(["__call__", prefill_name])
+        engine, beat = runner.engine, runner.engine._beat
+        with model_calls(runner.loaded.model, *methods) as calls:
+            # (The watchdog's beats too: an image chunk runs under its own.)
+            engine._beat = lambda what, *rest: (calls.append(("beat", what)), beat(what, *rest))
             a = runner.submit(a_body)
             seen = wait_for_tokens(a, 5)
             b_tokens, b_prompt, _ = runner.run(b_body)
             a_tokens = finish(a, seen)
-        assert b_prompt > 8 * CHUNK
-        assert_interleaved(calls, "__call__")
+        engine._beat = beat
+        assert b_prompt > min_prompt
+        assert_interleaved([c for c in calls if c[0] != "beat"], prefill_name)
+        if prefill_name == "prefill_chunk":
+            # Each image chunk runs under its own beat, after the batch
+            # steps between chunks (a stuck chunk is named as one).
+            last_beat = None
+            for name, what in calls:
+                if name == "beat":
+                    last_beat = what
+                elif name == prefill_name and what > 1:
+                    assert last_beat == "a prefill chunk", calls
+            assert ("beat", "a batch step") in calls
         assert a_tokens == alone.run(a_body)[0]
         assert b_tokens == alone.run(b_body)[0]
     finally:
         runner.close()
         alone.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_a_long_prompt_goes_in_small_chunks_between_decode_steps(fixture_path, kind):
+    b_body = {"messages": [{"role": "user", "content": "A long question. " + " ".join(
+        f"Item {i} is blue and item {i + 1} is red." for i in range(60))}], "max_tokens": 6}
+    check_beside_a_stream(fixture_path, kind, b_body, 8 * CHUNK, "__call__")
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5_vl"])
 def test_an_image_stretch_goes_in_small_chunks_between_decode_steps(fixture_path, kind):
-    runner = EngineRunner(fixture_path(kind), argv=["--prefill-step-size", str(STEP)])
-    alone = EngineRunner(fixture_path(kind), max_bytes=0)
-    try:
-        a_body = a_stream(runner)
-        pictures = [image_part(noise(seed, size=(336, 336))) for seed in (7, 8, 9)]
-        b_body = {"messages": [user(*pictures, "What are these?")], "max_tokens": 6}
-        with model_calls(runner.loaded.model, "__call__", "prefill_chunk") as calls:
-            a = runner.submit(a_body)
-            seen = wait_for_tokens(a, 5)
-            b_tokens, b_prompt, _ = runner.run(b_body)
-            a_tokens = finish(a, seen)
-        assert b_prompt > 4 * CHUNK
-        assert_interleaved(calls, "prefill_chunk")
-        assert a_tokens == alone.run(a_body)[0]
-        assert b_tokens == alone.run(b_body)[0]
-    finally:
-        runner.close()
-        alone.close()
+    pictures = [image_part(noise(seed, size=(336, 336))) for seed in (7, 8, 9)]
+    b_body = {"messages": [user(*pictures, "What are these?")], "max_tokens": 6}
+    check_beside_a_stream(fixture_path, kind, b_body, 4 * CHUNK, "prefill_chunk")
 
 
 def test_prefill_chunk():

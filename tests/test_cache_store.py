@@ -998,14 +998,21 @@ def test_read_ahead_by_handlers_at_once_reads_each_file_once_within_the_cap(tmp_
     tier.load = slow_load
 
     def at_once(prompts):
-        threads = [threading.Thread(target=store.read_ahead, args=(MODEL, p)) for p in prompts]
+        results = []
+        threads = [threading.Thread(target=lambda p=p: results.append(store.read_ahead(MODEL, p)))
+                   for p in prompts]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        return results
 
-    at_once([keys[0] + [7]] * 6)
+    results = at_once([keys[0] + [7]] * 6)
     assert len(loads) == 1 and store.read_ahead_bytes > 0
+    # The one that read it; the others got its read to wait for, done now.
+    assert results.count(True) == 1
+    waits = [r for r in results if r is not True]
+    assert len(waits) == 5 and all(w.done() and w.result() is True for w in waits)
     store.clear()
     for key in keys:  # (the clear emptied the tier too: written again)
         store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])

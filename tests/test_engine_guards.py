@@ -308,3 +308,42 @@ def test_a_plan_made_before_admission_is_used_as_it_is(runner):
     tokens, _ = channel.result()
     assert tokens == alone
     assert engine.planned_at_admission == planned_here
+
+
+async def test_a_handler_waits_for_the_read_ahead_of_its_entry_by_another():
+    """Server._plan: when another request's handler is reading the disk
+    entry this request needs (Engine.read_ahead returns that read's
+    Future), the request is queued only once that read ended, so the
+    generation thread doesn't read the file again while streams wait."""
+    import concurrent.futures
+    import threading
+    import types
+
+    from mlx_lm_plus.api import Server
+
+    reading = concurrent.futures.Future()
+    planned = types.SimpleNamespace(on_disk=True)
+    engine = types.SimpleNamespace(
+        is_healthy=True, plan=lambda request, args: planned,
+        read_ahead=lambda p: reading if p is planned else None)
+    server = types.SimpleNamespace(engine=engine,
+                                   _planner=concurrent.futures.ThreadPoolExecutor(1))
+    parsed = types.SimpleNamespace(request=types.SimpleNamespace(count_only=False), args=None)
+    threading.Timer(0.3, reading.set_result, (True,)).start()
+    await Server._plan(server, parsed)
+    assert reading.done() and parsed.request.planned is planned
+    server._planner.shutdown()
+
+
+def test_housekeeping_lets_stale_reads_ahead_go_on_a_quiet_server(fixture_path):
+    """The generation thread's housekeeping (every HOUSEKEEPING_EVERY, idle
+    or not) asks the store to drop reads ahead nothing fetched in time."""
+    runner = EngineRunner(fixture_path("qwen3"))
+    try:
+        runner.loaded
+        asked = []
+        runner.store.drop_stale_read_ahead = lambda: asked.append(time.monotonic())
+        time.sleep(4 * engine_module.HOUSEKEEPING_EVERY)
+        assert len(asked) >= 2
+    finally:
+        runner.close()
