@@ -101,9 +101,10 @@ PARK_MIN_TOKENS = 32
 # prompt. Alone, a prompt takes whole chunks.
 DECODING_CHUNK_DIVISOR = 4
 DECODING_CHUNK_MIN = 32
-# Batch steps in a row that may run without a prompt chunk to hand a first
-# token out sooner (_Batch._step): the two a first token takes.
-DECODE_ONLY_IN_A_ROW = 2
+# The batch steps from a prompt being in (but its last token) to its first
+# token handed out: they run without a prompt chunk (_Batch._step), and no
+# more than this many do in a row.
+FIRST_TOKEN_STEPS = 2
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
@@ -1919,7 +1920,7 @@ class _Batch:
         self._unparked: List[tuple] = []
         # Steps to run without a prompt chunk, so that a request's first
         # token is handed out before one (see _step), and how many ran in a
-        # row (at most DECODE_ONLY_IN_A_ROW: prompts keep going in).
+        # row (at most FIRST_TOKEN_STEPS: prompts keep going in).
         self._decode_only = 0
         self._decode_only_run = 0
         self._new_generator()
@@ -1977,7 +1978,7 @@ class _Batch:
         ends = list(itertools.accumulate((len(s) for s in segments[:-1]), initial=a.cached))[1:]
         processors = _make_logits_processors(a.args) + ([a.constraint] if a.constraint else [])
         if sum(map(len, segments)) == 1:  # (its prompt is in but its last token)
-            self._decode_only = 2
+            self._decode_only = FIRST_TOKEN_STEPS
         # (An error here is answered by the engine's admission guard.)
         (uid,) = self.generator.insert_segments(
             segments=[segments],
@@ -2095,9 +2096,9 @@ class _Batch:
         # each after that step's decode; a prompt chunk in either (of another
         # request) would come before it: those two steps cut none (0).
         # (Requests whose prompts were cached whole arm it as they come: at
-        # most DECODE_ONLY_IN_A_ROW such steps, then a chunk, so a stream of
+        # most FIRST_TOKEN_STEPS such steps, then a chunk, so a stream of
         # them can't hold a long prompt back.)
-        decode_only = self._decode_only > 0 and self._decode_only_run < DECODE_ONLY_IN_A_ROW
+        decode_only = self._decode_only > 0 and self._decode_only_run < FIRST_TOKEN_STEPS
         self._decode_only = max(0, self._decode_only - 1)
         self._decode_only_run = self._decode_only_run + 1 if decode_only else 0
         self.generator.prefill_step_size = 0 if decode_only else prefill_chunk(
@@ -2117,7 +2118,7 @@ class _Batch:
                 continue  # (no chunk: their progress is as it was)
             self._outbox.append((self.results[r.uid]["channel"], r.progress))
             if r.progress[1] - r.progress[0] == 1:
-                self._decode_only = 2
+                self._decode_only = FIRST_TOKEN_STEPS
 
         # Each request's checkpoints are its own segment ends: the cache
         # extracted there covers exactly the tokens that request has seen.

@@ -207,11 +207,11 @@ def test_requests_diverging_together_store_their_divergence_checkpoint_once(fixt
 def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
     """Each request whose prompt is cached whole asks for the two steps
     without a prompt chunk that hand its first token out; when they keep
-    coming, at most DECODE_ONLY_IN_A_ROW such steps run in a row, then a
+    coming, at most FIRST_TOKEN_STEPS such steps run in a row, then a
     chunk (a long prompt still goes in)."""
     import mlx.core as mx
 
-    from mlx_lm_plus.engine import DECODE_ONLY_IN_A_ROW, _Batch
+    from mlx_lm_plus.engine import FIRST_TOKEN_STEPS, _Batch
 
     runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", str(STEP)])
     try:
@@ -234,6 +234,6 @@ def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
         for size in sizes:
             run = run + 1 if size == 0 else 0
             runs.append(run)
-        assert max(runs) == DECODE_ONLY_IN_A_ROW and sizes.count(STEP) >= 12 // 3, sizes
+        assert max(runs) == FIRST_TOKEN_STEPS and sizes.count(STEP) >= 12 // 3, sizes
     finally:
         runner.close()
