@@ -825,15 +825,9 @@ class PromptStore:
         mx.eval([c.state for c in cache])
         return cache
 
-    def shared_depth(self, model: Any, key: List[int]) -> int:
-        """How many leading tokens of `key` the tree holds (any entry's path)."""
-        with self._lock:
-            if not key:
-                return 0
-            return self._descend(model, array(_TOKENS, key))[1]
-
     def divergence(self, model: Any, key: List[int]) -> Tuple[int, bool]:
-        """(shared_depth, whether a checkpoint there is worth storing): not
+        """(how many leading tokens of `key` the tree holds on any entry's
+        path, whether a checkpoint there is worth storing): not
         where `key` leaves only a reply it abandons (a "generated" leaf left
         inside its reply, which _drop_abandoned_replies drops once this
         request stores past it). Its state would then sit on a path that

@@ -199,7 +199,7 @@ def test_zero_sequences_or_bytes_means_no_prompt_cache():
             assert store.fetch(MODEL, [1, 2, 3]).kind == "miss"
             store.insert(MODEL, [1, 2, 3], hybrid(3))
             assert len(store) == 0 and store.nbytes == 0 and store.leaf_count() == 0
-        assert store.shared_depth(MODEL, [1, 2, 3]) == 0
+        assert store.divergence(MODEL, [1, 2, 3])[0] == 0
         snapshot = store.snapshot()
         assert snapshot["entries"] == 0 and snapshot["misses"] == 2 and not snapshot["hits"]
         assert store.stats["not_stored"] == 2
@@ -265,7 +265,7 @@ def test_edges_are_compressed():
     assert (entry.ntokens, entry.images) == (len(system) + 4, 2)
     f = store.fetch(MODEL, system + [3] * 10 + list(range(5000, 5100)))
     assert (f.kind, f.cached) == ("checkpoint", len(system) + 10)
-    assert store.shared_depth(MODEL, system + [3] * 10 + list(range(5000, 5100))) == \
+    assert store.divergence(MODEL, system + [3] * 10 + list(range(5000, 5100)))[0] == \
         len(system) + 110
 
 
@@ -565,7 +565,7 @@ def test_matches_the_per_token_trie(seed):
                     if isinstance(c, KVCache):
                         assert c.keys.shape[2] == c.offset
                         assert c.keys[0, 0, :, 0].tolist() == list(range(c.offset)), step
-            assert store.shared_depth(model, key) == ref.shared_depth(model, key)
+            assert store.divergence(model, key)[0] == ref.shared_depth(model, key)
         elif op < 0.9:
             key = random_key(model)
             kind = rng.choice(["prompt", "checkpoint", "generated", "system"])
