@@ -629,6 +629,7 @@ class PromptStore:
                 ahead = None  # (none, or still being read: read here)
         if ahead is not None and ahead.handle.ntokens == handle.ntokens:
             stored = ahead.cache
+            tier.used(ahead.handle)  # (its read counted nothing)
             with self._lock:
                 self.stats["read_ahead"] += 1
         else:  # as the store held it (StoredKV layers too)
@@ -688,7 +689,8 @@ class PromptStore:
             self.read_ahead_bytes += ahead.nbytes
         cache = None
         try:
-            cache = tier.load(handle)  # (its arrays evaluated on this thread)
+            # Its arrays evaluated on this thread; a hit once a fetch takes it.
+            cache = tier.load(handle, count=False)
         finally:
             with self._lock:
                 if self._read_ahead.get(name) is ahead:  # (not dropped meanwhile)

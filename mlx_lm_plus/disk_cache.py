@@ -738,15 +738,18 @@ class DiskTier:
             tokens.extend(edge)
         return tokens
 
-    def load(self, handle: DiskEntry) -> Optional[List[Any]]:
+    def load(self, handle: DiskEntry, count: bool = True) -> Optional[List[Any]]:
         """The entry's whole cache, read back (same classes), or None: a file
-        that is gone, torn or corrupt is deleted, counted, and a miss."""
+        that is gone, torn or corrupt is deleted, counted, and a miss.
+        count=False: a read ahead of its use, which `used` counts as a hit
+        (and as a use for eviction) once a fetch takes it."""
         path = self._file(handle.name)
         try:
             cache = self._read(handle, path)
         except Exception as e:
             with self._lock:
-                self.stats["misses"] += 1
+                if count:  # (a read ahead's fetch counts its own miss)
+                    self.stats["misses"] += 1
                 if self._entries.get(handle.name) is not handle:
                     return None  # evicted (or replaced) since `find`
                 # Under the lock: a new write of this key can't be queued
@@ -757,12 +760,17 @@ class DiskTier:
                 self.stats["corrupt"] += 1
             logging.warning(f"Prompt cache on disk: dropped unreadable {path}: {e}")
             return None
+        if count:
+            self.used(handle)
+        return cache
+
+    def used(self, handle: DiskEntry):
+        """Count a hit on the entry, and its use (eviction goes by last use)."""
         with self._lock:
             self.stats["hits"] += 1
             current = self._entries.get(handle.name)  # rewritten since: the same key
             if current is not None:
                 current.last_used = self._touched[handle.name] = time.time()
-        return cache
 
     def _read(self, handle: DiskEntry, path: str) -> List[Any]:
         """The entry's file read, checked and rebuilt; raises if it is not

@@ -943,17 +943,18 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
     prompt = key + [7, 8]
 
     read = []
+    hits = tier.snapshot()["hits"]
     ahead = threading.Thread(target=lambda: read.append(store.read_ahead(MODEL, prompt)))
     ahead.start()
     ahead.join()
     assert read == [True] and store.read_ahead_bytes > 0
     assert store.nbytes == store.read_ahead_bytes  # counted while held
+    assert tier.snapshot()["hits"] == hits  # a hit only once a fetch takes it
     assert not store.read_ahead(MODEL, prompt)  # (held already: not read twice)
-    loads = tier.snapshot()["hits"]
-    tier.load = lambda handle: pytest.fail("the fetch read the file again")
+    tier.load = lambda *a, **k: pytest.fail("the fetch read the file again")
     found = store.fetch(MODEL, prompt)
     assert (found.kind, found.cached) == ("disk", 40) and arrays_of(found.cache) == want
-    assert store.read_ahead_bytes == 0 and tier.snapshot()["hits"] == loads
+    assert store.read_ahead_bytes == 0 and tier.snapshot()["hits"] == hits + 1
     assert [e.key for e in store.entries()] == [tuple(key)]  # back into memory
     del tier.load
 
@@ -962,11 +963,13 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
     # Held but never fetched: let go once stale, and on a clear.
     store.trim_to(0)
     assert tier.flush(10)
+    hits = tier.snapshot()["hits"]
     assert store.read_ahead(MODEL, prompt) and store.read_ahead_bytes > 0
     now = store.now()
     store.set_clock(lambda: now + cache_module.READ_AHEAD_SECONDS + 1)
     store.fetch(MODEL, [999, 998])  # (any fetch looks)
     assert store.read_ahead_bytes == 0 and store.nbytes == 0
+    assert tier.snapshot()["hits"] == hits  # read for nothing: no hit
     store.set_clock(lambda: now)
     assert store.read_ahead(MODEL, prompt)
     store.clear()
@@ -990,10 +993,10 @@ def test_read_ahead_by_handlers_at_once_reads_each_file_once_within_the_cap(tmp_
     assert tier.flush(10) and len(store) == 0
     loads, load = [], tier.load
 
-    def slow_load(handle):
+    def slow_load(handle, **kw):
         loads.append(handle.name)
         clock.sleep(0.2)  # (a long read: the others come meanwhile)
-        return load(handle)
+        return load(handle, **kw)
 
     tier.load = slow_load
 
