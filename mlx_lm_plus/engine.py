@@ -877,7 +877,7 @@ class Engine:
         if images:
             # The pixels are in the plan now: the request, which its handler
             # holds to the end, lets the decoded ones go. (The plan leaves
-            # the set when admission or the client's going drops it.)
+            # the set at admission, or when the client's going drops it.)
             request.images = None
             self._image_plans.add(planned)
         return planned
@@ -901,6 +901,10 @@ class Engine:
         it was made for that model, else made now."""
         planned = getattr(request, "planned", None)
         request.planned = None
+        if planned is not None:
+            # Admitted: no longer one planned ahead, however long something
+            # holds it (a sequential request, until it ends).
+            self._image_plans.discard(planned)
         if planned is None or planned.model_key != lm.key:
             self.planned_at_admission += 1
             try:

@@ -314,6 +314,7 @@ def test_image_plans_made_ahead_are_bounded(fixture_path):
     import gc
 
     from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect
 
     r = EngineRunner(fixture_path("qwen2_vl"), argv=["--prompt-concurrency", "2"])
     try:
@@ -331,6 +332,16 @@ def test_image_plans_made_ahead_are_bounded(fixture_path):
         gc.collect()
         again = plan()
         assert again is not None
+        # Admitted, a plan is no longer ahead, though its request holds it
+        # (a sequential request would until it ends).
+        parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), r.args)
+        held = parsed.request.planned = r.engine.plan(parsed.request, parsed.args)
+        assert held is None  # (two ahead again)
+        parsed.request.planned = held = second
+        channel = Collect()
+        r.engine.submit(channel, parsed.request, parsed.args)
+        channel.result()
+        assert held is second and plan() is not None
         # (Text requests are planned ahead whatever the images held.)
         parsed = parse_request("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "Text only."}]}, r.args)
