@@ -57,3 +57,39 @@ def test_vision_workload(fixture_path, capsys, kind):
     # mlx_lm.server 0.32.2 has no vision for these models: it refuses image parts.
     assert "Only 'text' content type is supported" in upstream["error"]
     assert "## vision" in capsys.readouterr().out
+
+
+def test_the_minimal_server_streams_what_ours_does(fixture_path, tmp_path, capsys):
+    """benchmarks.minimal_server, the floor of the overhead workload, really
+    generates: its greedy streams equal ours token for token (text and
+    count), alone and in a batch; the workload runs against it."""
+    import asyncio
+    import sys
+
+    from benchmarks.harness import Client, session
+    from compat.launch import OURS, ServerProcess
+
+    model = str(fixture_path("qwen3_5"))
+    minimal = [sys.executable, "-m", "benchmarks.minimal_server"]
+
+    async def replies(url):
+        client = Client(url, None, 24)
+        async with session() as http:
+            alone = await client.chat(http, [{"role": "user", "content": "Tell me a story."}],
+                                      stream=True, record=False)
+            together = await asyncio.gather(*(client.chat(
+                http, [{"role": "user", "content": f"Story {i}, please."}], stream=True,
+                record=False) for i in range(4)))
+        return [(r.text, r.output_tokens) for r in (alone, *together)]
+
+    with ServerProcess(minimal, ["--model", model], log=tmp_path / "minimal.log") as s:
+        floor = asyncio.run(replies(s.url))
+    with ServerProcess(OURS, ["--model", model], log=tmp_path / "ours.log") as s:
+        want = asyncio.run(replies(s.url))
+    assert floor == want and all(text and n for text, n in want)
+
+    report = main(["run", "--workload", "overhead", "--smoke", "--rounds", "1",
+                   "--model", model, "--against", " ".join(minimal)])
+    theirs = report["workloads"]["overhead"]["median"]["theirs"]
+    assert theirs["batch 4: decode tok/s"] > 0 and "error" not in theirs
+    assert "## overhead" in capsys.readouterr().out
