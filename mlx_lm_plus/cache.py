@@ -723,6 +723,12 @@ class PromptStore:
                 del self._read_ahead[name]
                 self.read_ahead_bytes -= ahead.nbytes
 
+    def covers(self, model, key: List[int]) -> int:
+        """How many leading tokens of `key` a fetch from memory would serve
+        now (nothing touched, nothing copied)."""
+        with self._lock:
+            return self._find(model, key, probe=True).cached
+
     def _find(self, model, key, floor: int = 0, probe: bool = False) -> Fetched:
         """Memory's best entry for `key`; a miss (nothing touched or copied)
         when it would cover fewer than `floor` tokens. probe: only how many

@@ -352,6 +352,7 @@ class Engine:
         self._clear_buffers = False
         self._unloaded = False  # a model was unloaded: clear MLX's buffer cache when idle
         self.steps = 0  # generation steps run, for disconnect measurements
+        self._ordered_at = -1  # the step when waiting requests were last ordered
         # Where the generation thread's time goes, in seconds (/v1/stats, the
         # benchmarks): "model" in model steps (BatchGenerator.next, which
         # samples too), "admission" admitting requests (a plan made here
@@ -759,9 +760,42 @@ class Engine:
         payload = mx.array(memoryview(data)) if first else mx.zeros(size, dtype=mx.uint8)
         return bytes(memoryview(mx.distributed.all_sum(payload)))
 
+    def _order_arrivals(self):
+        """Requests that arrived together go shortest work first. The loop
+        admits every waiting request before it steps, so those waiting now
+        came during one step: a burst's short prompts then fill the first
+        prefill wave, not padded to a long one's length, and a long prompt
+        waits at most for those that came with it (never for later ones).
+        Work: the prompt's tokens past what the store holds. Requests not
+        planned ahead (planned at admission) keep their order, after the
+        others."""
+        with self.requests.mutex:
+            waiting = list(self.requests.queue)
+        try:
+            work = {id(r): self._work(r) for r in waiting}  # (`waiting` keeps the ids)
+        except Exception:  # (an optimisation: arrival order serves)
+            logging.exception("Could not order the waiting requests")
+            return
+        with self.requests.mutex:  # (what came meanwhile stays behind)
+            queue = self.requests.queue
+            known = sorted((r for r in queue if id(r) in work), key=lambda r: work[id(r)])
+            later = [r for r in queue if id(r) not in work]
+            queue.clear()
+            queue.extend(known + later)
+
+    def _work(self, request) -> Tuple[int, int]:
+        planned = getattr(request[1], "planned", None)
+        if planned is None:
+            return 1, 0
+        key = planned.plan.cache_key
+        return 0, len(key) - self.store.covers(planned.model_key, key)
+
     def _next_request(self, timeout=None):
         request = None
         if not self._is_distributed or self._rank == 0:
+            if len(self.requests.queue) > 1 and self._ordered_at != self.steps:
+                self._ordered_at = self.steps  # (once per step: each sort walks the store)
+                self._order_arrivals()
             try:
                 if timeout is not None:
                     request = self.requests.get(timeout=timeout)

@@ -237,3 +237,62 @@ def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
         assert max(runs) == FIRST_TOKEN_STEPS and sizes.count(STEP) >= 12 // 3, sizes
     finally:
         runner.close()
+
+
+def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
+    """Requests waiting together (they came during one step) are admitted
+    shortest work first, the work being the prompt's tokens past what the
+    store holds: a long prompt the store holds goes before a short new one.
+    Each reply is the one it gets alone."""
+    import threading
+
+    from mlx_lm_plus import engine as engine_module
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect
+
+    def body(words, topic):
+        return {"messages": [{"role": "user", "content": " ".join(
+            f"{topic} word {i}." for i in range(words))}], "max_tokens": 4}
+
+    bodies = {"long": body(60, "Apple"), "medium": body(30, "Pear"), "short": body(8, "Plum"),
+              "held": body(90, "Fig")}
+    runner = EngineRunner(fixture_path("qwen3"))
+    alone = EngineRunner(fixture_path("qwen3"), max_bytes=0)
+    admitted, insert = [], engine_module._Batch.insert
+    try:
+        runner.run(bodies["held"])  # (the store holds it: little work left)
+        stream = runner.submit(a_stream(runner, 200))  # (the engine steps meanwhile)
+        wait_for_tokens(stream, 2)
+        step, gate, held = runner.engine._step_batches, threading.Event(), threading.Event()
+
+        def gated():
+            held.set()
+            gate.wait(60)
+            step()
+
+        names = {}
+
+        def recording(self, a):
+            admitted.append(names.get(id(a.channel)))
+            return insert(self, a)
+
+        engine_module._Batch.insert = recording
+        runner.engine._step_batches = gated
+        assert held.wait(60)
+        channels = {}
+        for name in ("long", "medium", "short", "held"):  # (arrival order)
+            parsed = parse_request("/v1/chat/completions", bodies[name], runner.args)
+            parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
+            channels[name] = Collect()
+            names[id(channels[name])] = name
+            runner.engine.submit(channels[name], parsed.request, parsed.args)
+        runner.engine._step_batches = step
+        gate.set()
+        replies = {name: c.result()[0] for name, c in channels.items()}
+        assert admitted == ["held", "short", "medium", "long"]
+        assert replies == {name: alone.run(b)[0] for name, b in bodies.items()}
+        finish(stream, [])
+    finally:
+        engine_module._Batch.insert = insert
+        runner.close()
+        alone.close()
