@@ -8,12 +8,15 @@ A bare BatchGenerator loop in the benchmark's process has no HTTP, no
 detokenizing and no client reading beside it. On a machine whose model step
 runs on the CPU cores the client and the event loop also use, that work
 comes out of the model's time, so no server reaches the bare loop there.
-This server does only that unavoidable part: it parses the body, renders the
-chat template, runs one BatchGenerator on one thread, detokenizes with
-mlx-lm's streaming detokenizer, hands each step's tokens to the event loop
-in one call and writes OpenAI-shaped SSE chunks (usage at the end). No
-cache, no validation, no limits, streaming only, greedy only: not a server
-to use, a measuring stick.
+This server does only the part every streaming server does: it parses the
+body, renders the chat template, runs one BatchGenerator on one thread,
+detokenizes with mlx-lm's streaming detokenizer, hands each step's tokens
+to the event loop in one call and writes OpenAI-shaped SSE chunks (usage at
+the end). A real server does more per token (stop strings, tool-call and
+reasoning parsing, disconnects) and per request (validation, a cache,
+limits); this one has none of it, streams only and decodes greedily: not a
+server to use, a measuring stick. A bad request or a failed step ends its
+streams with an error event; flags other than its own are refused.
 """
 
 import argparse
@@ -28,7 +31,7 @@ from pathlib import Path
 from aiohttp import web
 
 
-def build_app(model_path: str) -> web.Application:
+def build_app(model_path: str, prefill_step_size: int = 2048) -> web.Application:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_path))
@@ -40,21 +43,35 @@ def build_app(model_path: str) -> web.Application:
         from mlx_lm import load
         from mlx_lm.generate import BatchGenerator
 
+        def new_generator():
+            return BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+                                  prefill_step_size=prefill_step_size,
+                                  stream=mx.default_stream(mx.default_device()))
+
         model, _ = load(model_path)
-        generator = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-                                   stream=mx.default_stream(mx.default_device()))
+        generator = new_generator()
         state["ready"] = True
         detokenizers, streams = {}, {}
         while True:
-            while True:  # everything that came; waiting only when idle
-                try:
-                    tokens, max_tokens, stream = incoming.get(block=not streams)
-                except queue.Empty:
-                    break
-                (uid,) = generator.insert([tokens], max_tokens=[max_tokens])
-                detokenizers[uid] = tokenizer.detokenizer  # (a fresh copy)
-                streams[uid] = stream
-            _, responses = generator.next()
+            try:
+                while True:  # everything that came; waiting only when idle
+                    try:
+                        tokens, max_tokens, stream = incoming.get(block=not streams)
+                    except queue.Empty:
+                        break
+                    try:
+                        (uid,) = generator.insert([tokens], max_tokens=[max_tokens])
+                    except Exception as e:  # (this request's)
+                        state["loop"].call_soon_threadsafe(deliver, [(stream, "", repr(e))])
+                        continue
+                    detokenizers[uid] = tokenizer.detokenizer  # (a fresh copy)
+                    streams[uid] = stream
+                _, responses = generator.next()
+            except Exception as e:  # (a step's: every stream ends, the loop goes on)
+                failed = [(stream, "", repr(e)) for stream in streams.values()]
+                state["loop"].call_soon_threadsafe(deliver, failed)
+                detokenizers, streams, generator = {}, {}, new_generator()
+                continue
             out = []
             for r in responses:
                 detokenizer = detokenizers[r.uid]
@@ -94,6 +111,10 @@ def build_app(model_path: str) -> web.Application:
             text, finish = await stream["queue"].get()
             if text:
                 await response.write(text_head + json.dumps(text).encode() + b"}}]}\n\n")
+            if finish not in (None, "stop", "length"):  # an error's text
+                await response.write(b"data: " + json.dumps({"error": finish}).encode()
+                                     + b"\n\ndata: [DONE]\n\n")
+                return response
             if finish is not None:
                 break
         usage = {"prompt_tokens": len(tokens), "completion_tokens": stream["tokens"],
@@ -125,8 +146,12 @@ def main(argv=None):
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    args, _ = p.parse_known_args(argv)  # (other servers' flags: ignored)
-    web.run_app(build_app(args.model), host=args.host, port=args.port, print=None)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    # (Any other flag is an error: a workload that sets one would compare
+    # different settings.)
+    args = p.parse_args(argv)
+    web.run_app(build_app(args.model, args.prefill_step_size), host=args.host,
+                port=args.port, print=None)
 
 
 if __name__ == "__main__":

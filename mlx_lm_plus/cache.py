@@ -724,10 +724,15 @@ class PromptStore:
                 self.read_ahead_bytes -= ahead.nbytes
 
     def covers(self, model, key: List[int]) -> int:
-        """How many leading tokens of `key` a fetch from memory would serve
-        now (nothing touched, nothing copied)."""
+        """How many leading tokens of `key` a fetch would serve now from
+        memory, or from a disk entry read ahead for it (nothing touched,
+        nothing copied)."""
         with self._lock:
-            return self._find(model, key, probe=True).cached
+            covered = self._find(model, key, probe=True).cached
+            for ahead in self._read_ahead.values():
+                if ahead.cache is not None and ahead.model == model and ahead.key == key:
+                    covered = max(covered, min(ahead.handle.ntokens, len(key) - 1))
+            return covered
 
     def _find(self, model, key, floor: int = 0, probe: bool = False) -> Fetched:
         """Memory's best entry for `key`; a miss (nothing touched or copied)

@@ -741,8 +741,10 @@ class DiskTier:
     def load(self, handle: DiskEntry, count: bool = True) -> Optional[List[Any]]:
         """The entry's whole cache, read back (same classes), or None: a file
         that is gone, torn or corrupt is deleted, counted, and a miss.
-        count=False: a read ahead of its use, which `used` counts as a hit
-        (and as a use for eviction) once a fetch takes it."""
+        Either way the entry counts as used now (eviction goes by last
+        use: an entry read ahead stays on disk until its fetch puts it back
+        into memory). count=False: a read ahead of its use, which `used`
+        counts as a hit once a fetch takes it."""
         path = self._file(handle.name)
         try:
             cache = self._read(handle, path)
@@ -760,14 +762,14 @@ class DiskTier:
                 self.stats["corrupt"] += 1
             logging.warning(f"Prompt cache on disk: dropped unreadable {path}: {e}")
             return None
-        if count:
-            self.used(handle)
+        self.used(handle, count)
         return cache
 
-    def used(self, handle: DiskEntry):
-        """Count a hit on the entry, and its use (eviction goes by last use)."""
+    def used(self, handle: DiskEntry, count: bool = True):
+        """The entry's use (eviction goes by last use), and a hit if `count`."""
         with self._lock:
-            self.stats["hits"] += 1
+            if count:
+                self.stats["hits"] += 1
             current = self._entries.get(handle.name)  # rewritten since: the same key
             if current is not None:
                 current.last_used = self._touched[handle.name] = time.time()

@@ -353,6 +353,7 @@ class Engine:
         self._unloaded = False  # a model was unloaded: clear MLX's buffer cache when idle
         self.steps = 0  # generation steps run, for disconnect measurements
         self._ordered_at = -1  # the step when waiting requests were last ordered
+        self._placed = set()  # ids of the waiting requests that ordering placed
         # Where the generation thread's time goes, in seconds (/v1/stats, the
         # benchmarks): "model" in model steps (BatchGenerator.next, which
         # samples too), "admission" admitting requests (a plan made here
@@ -761,27 +762,35 @@ class Engine:
         return bytes(memoryview(mx.distributed.all_sum(payload)))
 
     def _order_arrivals(self):
-        """Requests that arrived together go shortest work first. The loop
-        admits every waiting request before it steps, so those waiting now
-        came during one step: a burst's short prompts then fill the first
-        prefill wave, not padded to a long one's length, and a long prompt
-        waits at most for those that came with it (never for later ones).
-        Work: the prompt's tokens past what the store holds. Requests not
-        planned ahead (planned at admission) keep their order, after the
-        others."""
+        """Requests that arrived together go shortest work first: a burst's
+        short prompts then fill the first prefill wave, not padded to a long
+        one's length. Only those that arrived since the last ordering are
+        sorted, behind the ones still waiting from before, so a long prompt
+        waits only for those that came with it, never for later ones (on the
+        sequential path, where the queue isn't emptied every step, too).
+        Work: the prompt's tokens past what the store would serve. Requests
+        not planned ahead (planned at admission) keep their order, after the
+        others that came with them."""
         with self.requests.mutex:
             waiting = list(self.requests.queue)
-        try:
-            work = {id(r): self._work(r) for r in waiting}  # (`waiting` keeps the ids)
-        except Exception:  # (an optimisation: arrival order serves)
-            logging.exception("Could not order the waiting requests")
-            return
-        with self.requests.mutex:  # (what came meanwhile stays behind)
+        new = [r for r in waiting if id(r) not in self._placed]
+        work = {}
+        if len(new) > 1:
+            try:
+                work = {id(r): self._work(r) for r in new}  # (`waiting` keeps the ids)
+            except Exception:  # (an optimisation: arrival order serves)
+                logging.exception("Could not order the waiting requests")
+        with self.requests.mutex:
             queue = self.requests.queue
-            known = sorted((r for r in queue if id(r) in work), key=lambda r: work[id(r)])
-            later = [r for r in queue if id(r) not in work]
-            queue.clear()
-            queue.extend(known + later)
+            items = list(queue)
+            before = [r for r in items if id(r) in self._placed]
+            together = sorted((r for r in items if id(r) in work), key=lambda r: work[id(r)])
+            if together:
+                later = [r for r in items if id(r) not in self._placed and id(r) not in work]
+                queue.clear()
+                queue.extend(before + together + later)
+            present = {id(r) for r in items}
+            self._placed = {id(r) for r in waiting if id(r) in present}
 
     def _work(self, request) -> Tuple[int, int]:
         planned = getattr(request[1], "planned", None)
@@ -803,6 +812,8 @@ class Engine:
                     request = self.requests.get_nowait()
             except Empty:
                 pass
+            if request is not None:
+                self._placed.discard(id(request))  # (its id may pass on to a new one)
         if not self._is_distributed:
             return request
         data = b""

@@ -4,6 +4,7 @@ every two of them, for a text prompt and for an image stretch alike; both
 replies stay equal to each request run alone."""
 
 import contextlib
+import time
 
 import pytest
 
@@ -296,3 +297,59 @@ def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
         engine_module._Batch.insert = insert
         runner.close()
         alone.close()
+
+
+def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
+    """Only requests that arrived together are reordered: on the sequential
+    path (seeded requests), where the queue isn't emptied every step, a
+    long request waiting behind a running one is passed by the short one
+    that came with it, never by those that come later, one per generation."""
+    from mlx_lm.server import Response
+
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect
+
+    firsts = []
+
+    class Named(Collect):
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.started = name, False
+
+        def put(self, item):
+            if isinstance(item, Response) and not self.started:
+                self.started = True
+                firsts.append(self.name)
+            super().put(item)
+
+    def body(words, topic, n):
+        return {"messages": [{"role": "user", "content": " ".join(
+            f"{topic} word {i}." for i in range(words))}], "max_tokens": n, "seed": 1}
+
+    runner = EngineRunner(fixture_path("qwen3"))
+    try:
+        runner.loaded
+
+        def submit(name, b):
+            parsed = parse_request("/v1/chat/completions", b, runner.args)
+            parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
+            channel = Named(name)
+            runner.engine.submit(channel, parsed.request, parsed.args)
+            return channel
+
+        def started(channel):
+            while not channel.started:
+                time.sleep(0.001)
+
+        short = submit("s0", body(5, "Plum", 60))
+        started(short)
+        long = submit("long", body(80, "Apple", 4))
+        short = submit("s1", body(5, "Plum", 60))
+        for i in range(2, 5):  # each arrives while the one before it generates
+            started(short)
+            short = submit(f"s{i}", body(5, "Plum", 60))
+        long.result()
+        short.result()
+        assert firsts.index("long") < firsts.index("s2"), firsts
+    finally:
+        runner.close()

@@ -2,6 +2,7 @@
 
 import copy
 import random
+import time
 from collections import Counter
 
 import mlx.core as mx
@@ -944,12 +945,18 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
 
     read = []
     hits = tier.snapshot()["hits"]
+    written = tier.find(prompt, count=False)[1].last_used
+    time.sleep(0.01)
     ahead = threading.Thread(target=lambda: read.append(store.read_ahead(MODEL, prompt)))
     ahead.start()
     ahead.join()
     assert read == [True] and store.read_ahead_bytes > 0
     assert store.nbytes == store.read_ahead_bytes  # counted while held
     assert tier.snapshot()["hits"] == hits  # a hit only once a fetch takes it
+    # ...but used now: eviction by last use keeps it on disk till fetched.
+    assert tier.find(prompt, count=False)[1].last_used > written
+    # What a fetch would serve (the engine orders waiting requests by it).
+    assert store.covers(MODEL, prompt) == 40 and store.covers(MODEL, [5] + prompt) == 0
     assert not store.read_ahead(MODEL, prompt)  # (held already: not read twice)
     tier.load = lambda *a, **k: pytest.fail("the fetch read the file again")
     found = store.fetch(MODEL, prompt)
