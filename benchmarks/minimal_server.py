@@ -66,6 +66,13 @@ def build_app(model_path: str, prefill_step_size: int = 2048) -> web.Application
                         continue
                     detokenizers[uid] = tokenizer.detokenizer  # (a fresh copy)
                     streams[uid] = stream
+                gone = [uid for uid, stream in streams.items() if stream["gone"]]
+                if gone:  # (clients that went away)
+                    generator.remove(gone)
+                    for uid in gone:
+                        del detokenizers[uid], streams[uid]
+                    if not streams:
+                        continue
                 _, responses = generator.next()
             except Exception as e:  # (a step's: every stream ends, the loop goes on)
                 failed = [(stream, "", repr(e)) for stream in streams.values()]
@@ -91,12 +98,22 @@ def build_app(model_path: str, prefill_step_size: int = 2048) -> web.Application
             stream["queue"].put_nowait((text, finish))
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read())
-        if not body.get("stream"):
-            return web.json_response({"error": "streaming only"}, status=400)
-        tokens = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
-        stream = {"queue": asyncio.Queue(), "tokens": 0}
-        incoming.put((tokens, int(body.get("max_tokens") or 512), stream))
+        try:
+            body = json.loads(await request.read())
+            if not body.get("stream"):
+                raise ValueError("streaming only")
+            tokens = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+            max_tokens = int(body.get("max_tokens", 512))
+        except Exception as e:
+            return web.json_response({"error": repr(e)}, status=400)
+        stream = {"queue": asyncio.Queue(), "tokens": 0, "gone": False}
+        incoming.put((tokens, max_tokens, stream))
+        try:
+            return await write_stream(request, body, tokens, stream)
+        finally:
+            stream["gone"] = True  # (done, or its client went: its row leaves)
+
+    async def write_stream(request, body, tokens, stream) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         # The chunks servers of this API send (mlx_lm.server's fields), so a

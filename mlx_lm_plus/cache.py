@@ -490,6 +490,7 @@ class ReadAhead:
 
     model: Any
     key: List[int]  # the request's key it was read for
+    covered: int  # tokens of `key` it serves
     handle: Any  # the tier's DiskEntry
     cache: Optional[List[Any]]  # as the tier's load returns it; None while read
     nbytes: int
@@ -685,7 +686,7 @@ class PromptStore:
             # Its place and bytes (the file's size) are taken before the read:
             # handlers reading at once don't read it twice, nor past the cap.
             ahead = self._read_ahead[name] = ReadAhead(
-                model, list(key), handle, None, handle.nbytes, self._clock())
+                model, list(key), covered, handle, None, handle.nbytes, self._clock())
             self.read_ahead_bytes += ahead.nbytes
         cache = None
         try:
@@ -731,7 +732,7 @@ class PromptStore:
             covered = self._find(model, key, probe=True).cached
             for ahead in self._read_ahead.values():
                 if ahead.cache is not None and ahead.model == model and ahead.key == key:
-                    covered = max(covered, min(ahead.handle.ntokens, len(key) - 1))
+                    covered = max(covered, ahead.covered)
             return covered
 
     def _find(self, model, key, floor: int = 0, probe: bool = False) -> Fetched:

@@ -352,7 +352,6 @@ class Engine:
         self._clear_buffers = False
         self._unloaded = False  # a model was unloaded: clear MLX's buffer cache when idle
         self.steps = 0  # generation steps run, for disconnect measurements
-        self._ordered_at = -1  # the step when waiting requests were last ordered
         self._placed = set()  # ids of the waiting requests that ordering placed
         # Where the generation thread's time goes, in seconds (/v1/stats, the
         # benchmarks): "model" in model steps (BatchGenerator.next, which
@@ -764,13 +763,14 @@ class Engine:
     def _order_arrivals(self):
         """Requests that arrived together go shortest work first: a burst's
         short prompts then fill the first prefill wave, not padded to a long
-        one's length. Only those that arrived since the last ordering are
-        sorted, behind the ones still waiting from before, so a long prompt
-        waits only for those that came with it, never for later ones (on the
-        sequential path, where the queue isn't emptied every step, too).
-        Work: the prompt's tokens past what the store would serve. Requests
-        not planned ahead (planned at admission) keep their order, after the
-        others that came with them."""
+        one's length. Only those that arrived since the engine last looked at
+        its queue are sorted, behind the ones still waiting from before, so a
+        long prompt waits only for those that came with it, never for later
+        ones (on the sequential path, where the queue isn't emptied every
+        step, too). Work: the prompt's tokens past what the store would
+        serve. Requests not planned ahead (planned at admission; all of them
+        under mx.distributed) keep their order, after the others that came
+        with them."""
         with self.requests.mutex:
             waiting = list(self.requests.queue)
         new = [r for r in waiting if id(r) not in self._placed]
@@ -802,8 +802,7 @@ class Engine:
     def _next_request(self, timeout=None):
         request = None
         if not self._is_distributed or self._rank == 0:
-            if len(self.requests.queue) > 1 and self._ordered_at != self.steps:
-                self._ordered_at = self.steps  # (once per step: each sort walks the store)
+            if len(self.requests.queue) > 1:  # (each request is sorted, and walked, once)
                 self._order_arrivals()
             try:
                 if timeout is not None:

@@ -338,7 +338,10 @@ def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
             return channel
 
         def started(channel):
+            deadline = time.monotonic() + 60
             while not channel.started:
+                assert time.monotonic() < deadline, \
+                    f"{channel.name} did not start: {list(channel.items.queue)}"
                 time.sleep(0.001)
 
         short = submit("s0", body(5, "Plum", 60))

@@ -984,6 +984,23 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
     tier.close()
 
 
+def test_covers_counts_what_a_read_ahead_serves(tmp_path):
+    """covers (the engine orders waiting requests by it) counts a disk entry
+    read ahead for the key as far as the fetch will serve it: a longer
+    entry sharing only a prefix serves that prefix."""
+    key = list(range(1, 41))
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10) and len(store) == 0
+    prompt = key[:10] + [999 + i for i in range(40)]  # shares 10 of its 50 tokens
+    assert store.covers(MODEL, prompt) == 0 and store.read_ahead(MODEL, prompt)
+    assert store.covers(MODEL, prompt) == 10
+    found = store.fetch(MODEL, prompt)
+    assert (found.kind, found.cached) == ("disk", 10)
+    tier.close()
+
+
 def test_read_ahead_by_handlers_at_once_reads_each_file_once_within_the_cap(tmp_path):
     """Handlers reading ahead at the same time: one file is read once (its
     place is taken before the read), and different entries together stay
