@@ -780,15 +780,17 @@ class Engine:
                 work = {id(r): self._work(r) for r in new}  # (`waiting` keeps the ids)
             except Exception:  # (an optimisation: arrival order serves)
                 logging.exception("Could not order the waiting requests")
+        if not work:  # (nothing to sort: all of them keep their places)
+            self._placed = {id(r) for r in waiting}
+            return
         with self.requests.mutex:
             queue = self.requests.queue
             items = list(queue)
             before = [r for r in items if id(r) in self._placed]
             together = sorted((r for r in items if id(r) in work), key=lambda r: work[id(r)])
-            if together:
-                later = [r for r in items if id(r) not in self._placed and id(r) not in work]
-                queue.clear()
-                queue.extend(before + together + later)
+            later = [r for r in items if id(r) not in self._placed and id(r) not in work]
+            queue.clear()
+            queue.extend(before + together + later)
             present = {id(r) for r in items}
             self._placed = {id(r) for r in waiting if id(r) in present}
 
@@ -2224,12 +2226,8 @@ class _Batch:
         messages diverge from the store at the same point: one stores it)."""
         if not position:
             return False
-        for r in self.results.values():
-            if position in r["ends"]:
-                prefix = r["key_prefix"]
-                if prefix[position - 1] == key[position - 1] and prefix[:position] == key[:position]:
-                    return True
-        return False
+        return any(position in r["ends"] and _same_prefix(key, r["key_prefix"], position)
+                   for r in self.results.values())
 
     def park(self, request, planned: Planned, cached: int) -> bool:
         """Hold `request` back if a request in the batch is about to store a
@@ -2248,10 +2246,8 @@ class _Batch:
             for end in reversed(r["ends"]):
                 if best is not None and end <= best[1]:
                     break
-                prefix = r["key_prefix"]
                 if (cached + PARK_MIN_TOKENS <= end < len(key)
-                        and key[end - 1] == prefix[end - 1]  # (a cheap refusal first)
-                        and key[:end] == prefix[:end]):
+                        and _same_prefix(key, r["key_prefix"], end)):
                     best = (uid, end)
                     break
         if best is None:
@@ -2343,6 +2339,12 @@ def _format_top_logprobs(logprobs, top_n, tokenizer):
     for entry in top:
         entry["logprob"] = _logprob(entry["logprob"])
     return tuple(sorted(top, key=lambda t: -t["logprob"]))
+
+
+def _same_prefix(a, b, n: int) -> bool:
+    """Whether token lists `a` and `b` share their first `n` tokens (the
+    last of them compared first: a cheap refusal)."""
+    return a[n - 1] == b[n - 1] and a[:n] == b[:n]
 
 
 def _drop_cached(segments, segment_types, n):

@@ -240,6 +240,22 @@ def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
         runner.close()
 
 
+def words_body(words, topic, max_tokens=4, **extra):
+    """A chat request of `words` short sentences about `topic`."""
+    return {"messages": [{"role": "user", "content": " ".join(
+        f"{topic} word {i}." for i in range(words))}], "max_tokens": max_tokens, **extra}
+
+
+def submit_planned(runner, body, channel):
+    """Submit `body` planned ahead, as the HTTP layer does; returns `channel`."""
+    from mlx_lm_plus.validation import parse_request
+
+    parsed = parse_request("/v1/chat/completions", body, runner.args)
+    parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
+    runner.engine.submit(channel, parsed.request, parsed.args)
+    return channel
+
+
 def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
     """Requests waiting together (they came during one step) are admitted
     shortest work first, the work being the prompt's tokens past what the
@@ -248,15 +264,10 @@ def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
     import threading
 
     from mlx_lm_plus import engine as engine_module
-    from mlx_lm_plus.validation import parse_request
     from tests.engine_harness import Collect
 
-    def body(words, topic):
-        return {"messages": [{"role": "user", "content": " ".join(
-            f"{topic} word {i}." for i in range(words))}], "max_tokens": 4}
-
-    bodies = {"long": body(60, "Apple"), "medium": body(30, "Pear"), "short": body(8, "Plum"),
-              "held": body(90, "Fig")}
+    bodies = {"long": words_body(60, "Apple"), "medium": words_body(30, "Pear"),
+              "short": words_body(8, "Plum"), "held": words_body(90, "Fig")}
     runner = EngineRunner(fixture_path("qwen3"))
     alone = EngineRunner(fixture_path("qwen3"), max_bytes=0)
     admitted, insert = [], engine_module._Batch.insert
@@ -282,11 +293,9 @@ def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
         assert held.wait(60)
         channels = {}
         for name in ("long", "medium", "short", "held"):  # (arrival order)
-            parsed = parse_request("/v1/chat/completions", bodies[name], runner.args)
-            parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
             channels[name] = Collect()
             names[id(channels[name])] = name
-            runner.engine.submit(channels[name], parsed.request, parsed.args)
+            submit_planned(runner, bodies[name], channels[name])
         runner.engine._step_batches = step
         gate.set()
         replies = {name: c.result()[0] for name, c in channels.items()}
@@ -306,7 +315,6 @@ def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
     that came with it, never by those that come later, one per generation."""
     from mlx_lm.server import Response
 
-    from mlx_lm_plus.validation import parse_request
     from tests.engine_harness import Collect
 
     firsts = []
@@ -323,19 +331,14 @@ def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
             super().put(item)
 
     def body(words, topic, n):
-        return {"messages": [{"role": "user", "content": " ".join(
-            f"{topic} word {i}." for i in range(words))}], "max_tokens": n, "seed": 1}
+        return words_body(words, topic, n, seed=1)
 
     runner = EngineRunner(fixture_path("qwen3"))
     try:
         runner.loaded
 
         def submit(name, b):
-            parsed = parse_request("/v1/chat/completions", b, runner.args)
-            parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
-            channel = Named(name)
-            runner.engine.submit(channel, parsed.request, parsed.args)
-            return channel
+            return submit_planned(runner, b, Named(name))
 
         def started(channel):
             deadline = time.monotonic() + 60
