@@ -96,6 +96,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    CacheList,
     ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
@@ -242,6 +243,15 @@ def is_plain_kv(c) -> bool:
     return isinstance(c, KVCache) and not isinstance(c, ChunkedKVCache)
 
 
+def trims_to_any_prefix(cache: List[Any]) -> bool:
+    """Whether every layer can be trimmed to any shorter prefix. Upstream's
+    ChunkedKVCache (llama4) says it can be trimmed, but once a prompt passed
+    its chunk size it trims only down to its start_position: the tokens
+    before were dropped."""
+    return can_trim_prompt_cache(cache) and not any(
+        isinstance(c, ChunkedKVCache) and c.start_position > 0 for c in cache)
+
+
 def compact(cache: List[Any]) -> List[Any]:
     """Cut preallocated KV buffers down to the tokens they hold."""
     for c in cache:
@@ -250,6 +260,38 @@ def compact(cache: List[Any]) -> List[Any]:
             c.values = mx.contiguous(c.values[..., : c.offset, :])
     mx.eval([c.state for c in cache])
     return cache
+
+
+def _copied(value):
+    """`value` with each array in it copied into a buffer of its own
+    (mx.array copies; copy.deepcopy and mx.contiguous may share the buffer)."""
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (mx.array, list, tuple))
+                                                for v in value):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def own_buffers(layer):
+    """`layer` holding arrays of its own, plain KV cut to its tokens. A row
+    extracted from a batch is a view of the batch's arrays (upstream's
+    ArraysCache.extract slices them; BatchKVCache's and
+    BatchRotatingKVCache's mx.contiguous keeps a row that is contiguous in
+    place): stored as is, it would keep the whole batch's buffer alive,
+    B times the bytes the budget counts."""
+    if isinstance(layer, CacheList):
+        for c in layer.caches:
+            own_buffers(c)
+        return layer
+    if is_plain_kv(layer) and layer.keys is not None:
+        n = layer.offset
+        layer.keys = mx.array(layer.keys[..., :n, :])
+        layer.values = mx.array(layer.values[..., :n, :])
+        return layer
+    for name, value in vars(layer).items():
+        setattr(layer, name, _copied(value))
+    return layer
 
 
 def _extra(layer) -> Dict[str, Any]:
@@ -430,7 +472,7 @@ def restore_from_store(stored: List[Any], trim: int = 0) -> List[Any]:
                 if is_plain_kv(c) and c.keys is not None and c.keys.shape[2] > c.offset:
                     c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
         return cache
-    trim = trim if can_trim_prompt_cache(stored) else 0
+    trim = trim if trims_to_any_prefix(stored) else 0
     cache = []
     for c in stored:
         if isinstance(c, StoredKV):
@@ -893,10 +935,10 @@ class PromptStore:
             return
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
-        layers, sources, layout = self._take(cache, len(tokens))
+        layers, sources, layout = self._take(cache, len(tokens), own=from_disk)
         with self._lock:  # (not this model's layer kinds: no server makes such a cache)
             foreign = layers is not None and self._layouts.get(model, layout) != layout
-        trimmable = layers is not None and all(c.is_trimmable() for c in layers)
+        trimmable = layers is not None and trims_to_any_prefix(layers)
         # (A pipeline rank's layers are of its own kinds: stored, and
         # trimmable, only where every rank's are.)
         untaken, untrimmable = self.group_max([layers is None or foreign, not trimmable])
@@ -944,10 +986,12 @@ class PromptStore:
         mx.eval(fresh + [c.state for c in layers if not isinstance(c, SharedKV)])
         self._spill()
 
-    def _take(self, cache: List[Any], n: int):
+    def _take(self, cache: List[Any], n: int, own: bool = False):
         """An inserted cache of n tokens split into (the entry's layers, the
         shared layers' sources, the layout); (None, None, None) when a plain
-        KV layer does not hold exactly n tokens.
+        KV layer does not hold exactly n tokens. `own`: its arrays are in
+        buffers of their own (read from disk); else the layers the entry
+        keeps are copied out of whatever buffer they are views of.
 
         Plain KV layers (and StoredKV ones read back from disk) become
         SharedKV shells: their keys and values go to the tree's spans, cut
@@ -955,7 +999,9 @@ class PromptStore:
         at full length. Recurrent, rotating and chunked layers stay the
         entry's own: fixed-size states (or windows) at its position."""
         layers, sources, layout = [], [], []
-        if not self.share_kv:  # every layer the entry's own, as given
+        if not self.share_kv:  # every layer the entry's own
+            if not own:
+                cache = [own_buffers(c) for c in cache]
             cache = quantize_for_store(compact(cache), self.bits, self.group_size)
             return cache, [], ()
         for c in cache:
@@ -973,7 +1019,7 @@ class PromptStore:
                 shell = SharedKV(type(c), _extra(c), c.keys.dtype, bits, self.group_size)
                 source = (c.keys, c.values, bits)
             else:
-                layers.append(c)
+                layers.append(c if own else own_buffers(c))
                 continue
             layout.append((len(layers), shell.bits))
             layers.append(shell)
@@ -1180,12 +1226,21 @@ class PromptStore:
         self._spill()
 
     def _trim_to(self, n_bytes: int, keep: Optional[Entry] = None) -> int:
-        """How many entries it evicted."""
-        evicted = 0
-        while self.nbytes > max(0, n_bytes) and self._entries:
+        """How many entries it evicted: the least recently used first, `keep`
+        only when it alone is over budget. Sorted once: trimming to half
+        after an allocation failure may evict thousands."""
+        n_bytes, evicted = max(0, n_bytes), 0
+        if self.nbytes <= n_bytes:
+            return 0
+        for victim in sorted(self._entries, key=lambda e: e.last_used):
+            if self.nbytes <= n_bytes:
+                return evicted
+            if victim is not keep and victim in self._entries:  # (not gone with another)
+                self._remove(victim, reason="evicted")
+                evicted += 1
+        if self.nbytes > n_bytes and keep in self._entries:
+            self._remove(keep, reason="evicted")
             evicted += 1
-            if not self._evict_one(keep):
-                break
         return evicted
 
     def _evict_one(self, keep: Optional[Entry]) -> bool:
@@ -1217,7 +1272,8 @@ class PromptStore:
                 else None)
         if tier is not None:  # while the node's path still spells it and holds its KV
             whole = self._whole(entry)
-            self._spills.append((tier, list(entry.key), whole, entry.kind))
+            self._spills.append((tier, list(entry.key), whole, entry.kind,
+                                 self._wall_time(entry.last_used)))
         model = self._entries.pop(entry)
         node, entry.node = entry.node, None
         node.entry = None
@@ -1281,14 +1337,19 @@ class PromptStore:
         tier's writer thread then writes)."""
         with self._lock:
             spills, self._spills = self._spills, []
-        for tier, key, cache, kind in spills:
+        for tier, key, cache, kind, last_used in spills:
             try:
-                tier.put(key, cache, kind)  # the tier owns the cache now
+                tier.put(key, cache, kind, last_used)  # the tier owns the cache now
             except Exception:  # never fails the request that evicted it
                 logging.exception("Prompt cache: could not hand an entry to the disk tier")
                 continue
             with self._lock:
                 self.stats["spilled"] += 1
+
+    def _wall_time(self, when: float) -> float:
+        """A time of the store's clock (monotonic) as time.time(), as the
+        disk tier keeps last uses (across restarts)."""
+        return time.time() - max(0.0, self._clock() - when)
 
     def save_to_disk(self, timeout: float) -> int:
         """At shutdown: write the memory entries to their tiers, most
@@ -1302,11 +1363,11 @@ class PromptStore:
         with self._lock:
             order = sorted(self._entries.items(), key=lambda em: -em[0].last_used)
             jobs = [(self._disks[m], list(e.key), self._whole(e), e.kind,
-                     e.nbytes + self._path_bytes(e))
+                     e.nbytes + self._path_bytes(e), self._wall_time(e.last_used))
                     for e, m in order if m in self._disks]
             tiers = list(dict.fromkeys(self._disks.values()))
         saved = 0
-        for tier, key, cache, kind, nbytes in jobs:
+        for tier, key, cache, kind, nbytes, last_used in jobs:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -1316,7 +1377,10 @@ class PromptStore:
                 queued = tier.snapshot()["queued_bytes"]
                 if queued and queued + nbytes > tier.max_queue_bytes:
                     tier.flush(left)
-                tier.put(key, cache, kind)
+                # Stamped with its last use, not the time of writing: with
+                # less room on disk than in memory, the tier's eviction then
+                # lets the least recently used go, not the first written.
+                tier.put(key, cache, kind, last_used)
                 saved += 1
             except Exception:
                 logging.exception("Prompt cache: could not save an entry to disk")

@@ -84,9 +84,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx_lm.models.cache import QuantizedKVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache
 
-from .cache import _TOKENS, _matching, compact, descend
+from .cache import _TOKENS, _matching, cache_nbytes, compact, descend, trims_to_any_prefix
 from .logs import warn_once
 
 # Part of every identity: a change of the file format starts a new folder.
@@ -462,6 +462,7 @@ class _Write:
     trimmable: bool
     kind: str
     epoch: int = 0  # the tier's clears when it was queued
+    last_used: Optional[float] = None  # (time.time()) its last use in memory
 
 
 _STOP = object()
@@ -810,30 +811,42 @@ class DiskTier:
             raise ValueError("key mismatch")
         return [_rebuild_layer(layer, arrays) for layer in json.loads(meta["layers"])]
 
-    def put(self, key: Sequence[int], cache: List[Any], kind: str = "prompt") -> None:
+    def put(self, key: Sequence[int], cache: List[Any], kind: str = "prompt",
+            last_used: Optional[float] = None) -> None:
         """Queue `cache` (covering exactly `key`) for writing; returns at
-        once. The tier takes ownership of the cache. A key already on disk is
-        only touched; writes are dropped (and counted) while the queue is
-        full or writing is paused after an error."""
+        once. The tier takes ownership of the cache. `last_used`: its last
+        use (time.time()), which the tier's eviction goes by (default: now).
+        A key already on disk is only touched; writes are dropped (and
+        counted) while the queue is full or writing is paused after an
+        error."""
         if not self.enabled or not key or self._writer is None:
             return
         tokens = array(_TOKENS, key)
         name = _key_name(tokens)
+        try:
+            estimate = cache_nbytes(cache)
+        except Exception:  # (a layer without nbytes: found out below)
+            estimate = 0
         with self._lock:
             entry = self._entries.get(name)
             if entry is not None:
-                entry.last_used = self._touched[name] = time.time()
+                entry.last_used = self._touched[name] = max(
+                    entry.last_used, last_used or time.time())
                 return
             if name in self._pending:
                 return
-            if time.monotonic() < self._full_until:
+            # Before the copy below, which costs the caller (the generation
+            # thread) as much as the write would have: a full queue drops it.
+            if time.monotonic() < self._full_until or (
+                    self._jobs and self._queued_bytes + estimate > self.max_queue_bytes):
                 self.stats["dropped_writes"] += 1
                 return
+            epoch = self._epoch  # a clear from now on drops this write
         try:
             arrays: List[mx.array] = []
             layers = [_describe(c, arrays) for c in _compact(cache)]
             views = _host_views(arrays) + [("I64", np.frombuffer(tokens, np.int64))]
-            trimmable = can_trim_prompt_cache(cache)
+            trimmable = trims_to_any_prefix(cache)
         except Exception as e:
             with self._lock:
                 self.stats["unsupported"] += 1
@@ -845,9 +858,9 @@ class DiskTier:
         metadata = {"format": FORMAT, "identity": self.identity, "kind": kind,
                     "layers": json.dumps(layers, separators=(",", ":"))}
         nbytes = sum(v.nbytes for _, v in views)
-        job = _Write(name, tokens, tensors, metadata, nbytes, trimmable, kind)
+        job = _Write(name, tokens, tensors, metadata, nbytes, trimmable, kind, epoch, last_used)
         with self._lock:
-            if name in self._pending or name in self._entries:
+            if name in self._pending or name in self._entries or epoch != self._epoch:
                 return
             if nbytes > self.max_bytes or (
                     self._jobs and self._queued_bytes + nbytes > self.max_queue_bytes):
@@ -856,7 +869,6 @@ class DiskTier:
             self._pending.add(name)
             self._queued_bytes += nbytes
             self._jobs += 1
-            job.epoch = self._epoch
         self._queue.put(job)
 
     def clear(self) -> int:
@@ -963,6 +975,7 @@ class DiskTier:
             os.replace(tmp, path)
             size = os.path.getsize(path)
             now = time.time()
+            last_used = min(job.last_used or now, now)
             with self._lock:
                 if job.epoch != self._epoch:  # cleared while it was written
                     _unlink(path)
@@ -972,7 +985,7 @@ class DiskTier:
                 self._db.execute(
                     "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (job.name, job.tokens.tobytes(), len(job.tokens), size,
-                     int(job.trimmable), job.kind, now, now))
+                     int(job.trimmable), job.kind, now, last_used))
         except Exception as e:  # ENOSPC, EIO, a full or broken index...
             _unlink(tmp)
             _unlink(path)
@@ -991,7 +1004,7 @@ class DiskTier:
                 self._deleted.add(job.name)  # its row
                 return
             self._add(DiskEntry(job.name, len(job.tokens), size, job.trimmable,
-                                job.kind, now), job.tokens)
+                                job.kind, last_used), job.tokens)
             self.stats["writes"] += 1
         self._evict()
 

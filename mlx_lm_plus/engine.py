@@ -61,7 +61,7 @@ from mlx_lm.generate import (
     make_text_state_machine,
     stream_generate,
 )
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.server import (
     GenerationContext,
     Response,
@@ -74,7 +74,7 @@ from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
 from patches import apply_all as _apply_patches
 
-from .cache import PromptStore, cache_nbytes, is_plain_kv
+from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
 from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
@@ -1041,7 +1041,7 @@ class Engine:
         images = plan.vision
         safe = images.safe_prefix(cached) if images is not None else cached
         if cache is not None and safe < cached:
-            if self._on_every_rank(can_trim_prompt_cache(cache)):
+            if self._on_every_rank(trims_to_any_prefix(cache)):
                 trim_prompt_cache(cache, cached - safe)
             else:  # hybrid: its entries end at checkpoints, never in an image
                 cache = None

@@ -1150,6 +1150,55 @@ def test_save_to_disk_writes_the_memory_entries_for_a_restart(tmp_path):
     assert store2.save_to_disk(timeout=0) == 0 and not tier2.enabled
 
 
+def test_save_to_disk_with_less_room_on_disk_keeps_the_most_recent(tmp_path):
+    """At shutdown the hottest entries are handed over first (the timeout
+    may cut the rest), but the tier's eviction goes by last use: stamped
+    with the time they were written, the first written (the most recent)
+    would be the first evicted when the disk holds fewer than memory."""
+    now = [0.0]
+    store = PromptStore(max_bytes=1 << 30, clock=lambda: now[0])
+    one = _holding([list(range(20))], lambda n: [real_kv(n)])
+    tier = DiskTier(str(tmp_path / "disk"), int(one * 3.5), "m")
+    store.attach_disk(MODEL, tier)
+    for i in range(6):  # conversation i last used at time i
+        now[0] = float(i)
+        store.insert(MODEL, [1000 + i] + list(range(19)), [real_kv(20, seed=i)])
+    assert store.save_to_disk(timeout=30) == 6
+    tier = DiskTier(str(tmp_path / "disk"), int(one * 3.5), "m")  # restarted
+    kept = [i for i in range(6) if tier.find([1000 + i] + list(range(20)))]
+    assert kept == [3, 4, 5]
+    tier.close()
+
+
+def test_chunked_layers_past_their_chunk_are_never_trimmed(tmp_path):
+    """llama4's ChunkedKVCache says it is trimmable, but once past its chunk
+    size it trims only down to its start_position: a trimmed lookup would
+    hand out layers at different offsets (wrong positions, wrong output)."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    def chunked(n, chunk):
+        c = ChunkedKVCache(chunk)
+        for _ in range(n):  # one token at a time, as generation fills it
+            c.maybe_trim_front()
+            c.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+        return c
+
+    store, tier = with_disk(tmp_path, max_bytes=1 << 30)
+    key = list(range(1, 21))
+    store.insert(MODEL, key, [chunked(20, 8), kv(20)])  # start_position 12
+    assert store.fetch(MODEL, key[:5] + [99]).kind == "miss"
+    found = store.fetch(MODEL, key + [99])  # its own key: nothing to trim
+    assert (found.kind, found.cached) == ("prefix", 20)
+    store.trim_to(0)  # to disk, as not trimmable either
+    assert tier.flush(10) and tier.find(key[:5] + [99]) is None
+    assert tier.find(key + [99])[0] == 20
+    # Within its chunk it still holds every token: trimmed like plain KV.
+    store.insert(MODEL, [7] * 6, [chunked(6, 8), kv(6)])
+    found = store.fetch(MODEL, [7] * 3 + [99])
+    assert found.cached == 3 and [c.offset for c in found.cache] == [3, 3]
+    tier.close()
+
+
 def test_clear_empties_the_disk_tier_too(tmp_path):
     store, tier = with_disk(tmp_path, max_bytes=1 << 30)
     store.insert(MODEL, [1, 2, 3], [kv(3)])
@@ -1321,3 +1370,36 @@ def test_spans_hold_buffers_of_their_own():
     gc.collect()
     held = mx.get_active_memory() - start
     assert store.kv_bytes <= held <= store.kv_bytes * 1.02 + (1 << 16), (held, store.kv_bytes)
+
+
+@pytest.mark.parametrize("share_kv", [True, False])
+def test_a_row_extracted_from_a_batch_holds_only_its_own_bytes(share_kv):
+    """BatchGenerator hands the engine a request's cache as rows extracted
+    from the batch: upstream's ArraysCache.extract slices the batch's state,
+    BatchKVCache.extract's mx.contiguous keeps a contiguous row in place.
+    Stored as given, each entry would keep a whole batch's arrays alive,
+    rows times what the budget counts."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    rows, n = 8, 64
+    store = PromptStore(max_bytes=1 << 30, share_kv=share_kv)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    for step in range(6):
+        state = ArraysCache(1)
+        state.cache = [mx.random.normal((rows, 16, 32, 32))]
+        batch_kv = BatchKVCache([0] * rows)
+        batch_kv.keys = mx.random.normal((rows, 2, n + step, 32))
+        batch_kv.values = mx.random.normal((rows, 2, n + step, 32))
+        batch_kv._idx = batch_kv.offset = n + step
+        batch_kv.offset = mx.array([n + step] * rows)
+        mx.eval(state.cache, batch_kv.keys, batch_kv.values)
+        store.insert(MODEL, list(range(1, n + step + 1)),
+                     [state.extract(3), batch_kv.extract(3)], "checkpoint")
+        del state, batch_kv
+    mx.synchronize()
+    held = mx.get_active_memory() - before
+    assert store.recount()["kv_bytes"] == store.kv_bytes
+    # Without copies: about `rows` times the counted bytes.
+    assert held <= 1.25 * store.kv_bytes, (held, store.kv_bytes)
+    store.clear()

@@ -747,6 +747,60 @@ def test_clear_drops_writes_queued_before_it(tier_dir, monkeypatch):
     t.close()
 
 
+def test_clear_while_a_put_copies_drops_that_write(tier_dir, monkeypatch):
+    """A put copies its entry out of MLX (long for a large one) before it
+    queues it: a DELETE /v1/cache meanwhile must drop that write too."""
+    real = disk_cache._host_views
+    t = make_tier(tier_dir)
+
+    def cleared_meanwhile(arrays):
+        t.clear()
+        return real(arrays)
+
+    monkeypatch.setattr(disk_cache, "_host_views", cleared_meanwhile)
+    t.put([1, 2, 3], [kv(3)], "prompt")
+    assert t.flush(10)
+    assert t.snapshot()["entries"] == 0 and not files(t, "*.safetensors")
+    monkeypatch.setattr(disk_cache, "_host_views", real)
+    stored(t, [1, 2, 3], [kv(3)])  # a later put is written
+    assert t.snapshot()["entries"] == 1
+    t.close()
+
+
+def test_full_queue_drops_a_put_before_copying_it(tier_dir, monkeypatch):
+    """The caller (the generation thread, spilling an eviction) does not pay
+    for a copy the full queue then drops."""
+    release = threading.Event()
+    real_write, real_views = disk_cache._write_safetensors, disk_cache._host_views
+    copies = []
+    monkeypatch.setattr(disk_cache, "_write_safetensors",
+                        lambda *a: (release.wait(10), real_write(*a)))
+    monkeypatch.setattr(disk_cache, "_host_views",
+                        lambda arrays: (copies.append(1), real_views(arrays))[1])
+    t = make_tier(tier_dir, max_queue_bytes=1000)
+    t.put([1], [kv(40)], "prompt")  # taken: the queue was empty
+    t.put([2], [kv(40)], "prompt")  # over the queue's bytes: dropped
+    assert len(copies) == 1 and t.snapshot()["dropped_writes"] == 1
+    release.set()
+    assert t.flush(10)
+    t.close()
+
+
+def test_put_keeps_the_last_use_it_is_given(tier_dir):
+    t = make_tier(tier_dir)
+    t.put([1, 1], [kv(4)], "prompt", last_used=1000.0)
+    t.put([2, 2], [kv(4)], "prompt")
+    assert t.flush(10)
+    assert t.find([1, 1, 0])[1].last_used == 1000.0
+    assert abs(t.find([2, 2, 0])[1].last_used - time.time()) < 60
+    t.put([1, 1], [kv(4)], "prompt", last_used=500.0)  # an older use: not moved back
+    assert t.find([1, 1, 0])[1].last_used == 1000.0
+    t.close()
+    t = make_tier(tier_dir)  # and after a restart
+    assert t.find([1, 1, 0])[1].last_used == 1000.0
+    t.close()
+
+
 # -- eviction --
 
 
