@@ -679,12 +679,13 @@ class Server:
             channel.cancel()
 
     async def _count(self, request, parsed, exchange):
-        """count_tokens: a text prompt is planned in an executor with the
-        loaded model's tokenizer (rendering a long conversation takes
-        seconds: never between batch steps). None: the engine counts it
-        (images, or the model isn't loaded yet)."""
+        """count_tokens: the prompt is planned in an executor with the loaded
+        model's tokenizer and image processor (rendering a long conversation
+        takes seconds: never between batch steps). None: the engine counts
+        it (the model isn't loaded yet, or images for one of mlx-lm's own
+        vision models)."""
         count = getattr(self.engine, "count_prompt", None)
-        if count is None or parsed.request.images:
+        if count is None:
             return None
         loop = asyncio.get_running_loop()
         try:

@@ -703,7 +703,8 @@ class PromptStore:
         takes it (_from_disk) instead of reading the file while running
         streams wait. Held entries count in `nbytes`, together at most a
         quarter of the budget; one not fetched within READ_AHEAD_SECONDS of
-        its read is let go. Returns True when it read one; when another
+        its read is let go (one entry larger than that quarter is read
+        when none is held). Returns True when it read one; when another
         caller is reading that entry, the Future its read ends (the caller
         waits for it rather than leave the read to the generation thread);
         else False."""
@@ -718,8 +719,12 @@ class PromptStore:
         covered, handle = on_disk
         name = (model, handle.name)
         with self._lock:
+            # (One entry larger than the quarter, when none is held: its
+            # read would otherwise stall every stream on the generation
+            # thread, and its fetch puts it into memory anyway.)
             room = (self.max_bytes is None
-                    or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4)
+                    or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4
+                    or (not self.read_ahead_bytes and handle.nbytes <= self.max_bytes))
             held = self._read_ahead.get(name)
             if held is not None:
                 return held.loaded if held.cache is None else False

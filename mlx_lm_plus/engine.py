@@ -1522,8 +1522,10 @@ class Engine:
             self._fail_pending(key, ModelLoadError(
                 f"Loading {key[0]} took more than {limit:g} s (--model-load-timeout)"))
         # A keepalive once a request has waited KEEPALIVE_EVERY (a stream's
-        # headers go then: a short wait keeps its real status code).
-        for request in self._pending:
+        # headers go then: a short wait keeps its real status code); parked
+        # ones too, which may wait for another request's whole prefill.
+        held = [r for b in self._batches.values() for r in b.held_back()]
+        for request in self._pending + held:
             channel = request[0]
             since = getattr(channel, "set_aside_at", None)
             if since is not None and now - since >= KEEPALIVE_EVERY:
@@ -1690,15 +1692,18 @@ class Engine:
         channel.put(None)
 
     def count_prompt(self, request, args) -> Optional[int]:
-        """The prompt size of a text request for a loaded model, planned on
-        the caller's thread (count_tokens). None: not answerable here (that
-        model not loaded, or images to expand)."""
+        """The prompt size of a request for a loaded model, planned on the
+        caller's thread (count_tokens: the template and the image processor
+        never run between batch steps). None: not answerable here (that
+        model not loaded, or images for one of mlx-lm's own vision models)."""
         lm = self.model_provider.get(self.model_provider.key_for(args.model))
-        if lm is None or (request.request_type == "chat"
+        if lm is None or (request.request_type == "chat" and not _serves_images(lm)
                           and any(_image_parts(request.messages))):
             return None
-        # A copy: templating converts the messages in place.
-        plan = self._build_plan(lm, copy.deepcopy(request), args)
+        # A copy: templating converts the messages in place (the decoded
+        # images are only read: not copied).
+        images = getattr(request, "images", None)
+        plan = self._build_plan(lm, copy.deepcopy(request, {id(images): images}), args)
         return len(plan.tokens)
 
     def _forget(self, channel):
@@ -1847,6 +1852,9 @@ class Engine:
                 mx.eval(input_embeddings)
                 self.observe("vision_seconds", time.perf_counter() - tic)
 
+        fed = len(plan.tokens) - len(rest)  # (cached, and prefilled to checkpoints here)
+        if logits_processors and fed:
+            logits_processors = [_with_prompt(logits_processors, plan.tokens[:fed], False)]
         return cache, stream_generate(
             model=model,
             stream=stream,
@@ -1878,7 +1886,7 @@ class Engine:
         cache = lm.processor.make_cache()
         pairs = lm.processor.generate(
             plan.tokens, plan.vision, cache, sampler,
-            [_with_prompt(logits_processors, plan.tokens)] if logits_processors else [],
+            [_with_prompt(logits_processors, plan.tokens, True)] if logits_processors else [],
             args.max_tokens, self.cli_args.prefill_step_size,
             progress=self._prefill_progress(channel, cache), kv_bits=self.cli_args.kv_bits,
             kv_group_size=self.cli_args.kv_group_size,
@@ -1919,17 +1927,25 @@ def prefill_chunk(step_size: int, decoding: bool) -> int:
     return min(step_size, max(DECODING_CHUNK_MIN, step_size // DECODING_CHUNK_DIVISOR))
 
 
-def _with_prompt(processors, prompt: List[int]):
+def _with_prompt(processors, head: List[int], repeated_tail: bool):
     """One logits processor running `processors` in turn on the whole
-    context, where mlx-vlm's generate_step passes only the prompt's tail it
-    fed last (the same tail at every step) and the tokens generated since."""
-    tail = head = None
+    context, `head` + what the generation loop passes:
+      * mlx-lm's generate_step passes the prompt it was given (the part
+        the cache did not cover) and the tokens since: head is the cached
+        part (`repeated_tail` False);
+      * mlx-vlm's passes the prompt's tail it fed last, the same at every
+        step, and the tokens since: head is the whole prompt, and that
+        tail (the first call's tokens) is left out (`repeated_tail`).
+    Penalties (repetition, presence, frequency) then count the same tokens
+    cached or cold, as on the batched path (all_tokens)."""
+    tail = first = None
 
     def process(tokens, logits):
-        nonlocal tail, head
-        if tail is None:
-            tail, head = tokens.size, mx.array(prompt, tokens.dtype)
-        context = mx.concatenate([head, tokens[tail:]])
+        nonlocal tail, first
+        if first is None:
+            tail = tokens.size if repeated_tail else 0
+            first = mx.array(head, tokens.dtype)
+        context = mx.concatenate([first, tokens[tail:]])
         for processor in processors:
             logits = processor(context, logits)
         return logits
@@ -2055,6 +2071,9 @@ class _Batch:
             "key_prefix": a.plan.cache_key,
             # Structured output: a grammar failure fails this request alone.
             "constraint": a.constraint,
+            # Its images prefilled at admission (_resume): a cache of its
+            # own, counted in flight while it waits in the generator's queue.
+            "prefilled": a.cached > a.ctx.prompt_cache_count,
         }
 
     def step(self) -> bool:
@@ -2255,6 +2274,7 @@ class _Batch:
         request[1].planned = planned
         self._parked.append([*best, request])
         request[0].put((0, len(plan.tokens)))
+        request[0].set_aside_at = time.monotonic()  # (keepalives: Engine._tick)
         return True
 
     def _unpark(self, uid=None, stored: Optional[int] = None):
@@ -2306,11 +2326,15 @@ class _Batch:
 
     def owned_nbytes(self) -> int:
         """Bytes of the caches this batch holds: those being prefilled and
-        decoded. Requests still queued in the generator hold copies of stored
-        entries, which share the store's buffers (MLX arrays are immutable),
-        so counting them would count the same memory twice."""
+        decoded, and those of queued requests whose images were prefilled at
+        admission. Other requests still queued in the generator hold copies
+        of stored entries, which share the store's buffers (MLX arrays are
+        immutable, a fetch joins the tree's spans lazily), so counting them
+        would count the same memory twice."""
         g = self.generator
-        return sum(c.nbytes for c in g._prompt_batch.prompt_cache) + sum(
+        queued = sum(c.nbytes for p in g._unprocessed_sequences
+                     if self.results.get(p[0], {}).get("prefilled") for c in p[3])
+        return queued + sum(c.nbytes for c in g._prompt_batch.prompt_cache) + sum(
             c.nbytes for c in g._generation_batch.prompt_cache
         )
 

@@ -99,3 +99,45 @@ def test_concurrent_requests_compute_a_new_system_prompt_once(kind, fixture_path
         assert_store_invariant(runner)
     finally:
         runner.close()
+
+
+def test_a_parked_request_gets_keepalives(fixture_path, monkeypatch):
+    """A request parked behind another's prefill of their shared system
+    prompt waits that whole prefill: it gets a keepalive every
+    KEEPALIVE_EVERY meanwhile (a stream's proxy or SDK would time it out
+    otherwise), as a request waiting for a model does."""
+    import time
+
+    from mlx_lm_plus import engine
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import Collect
+
+    monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.05)
+    monkeypatch.setattr(engine, "HOUSEKEEPING_EVERY", 0.01)
+    system = "Yet another new system prompt, long enough to take a while. " * 60
+    runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", "8"])
+    try:
+        runner.loaded
+        channels = []
+        for i in range(2):
+            parsed = parse_request("/v1/chat/completions", {"max_tokens": 3, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Question {i}: which river is longest?"}]},
+                runner.args)
+            channels.append(Collect())
+            runner.engine.submit(channels[-1], parsed.request, parsed.args)
+        leader, parked = channels
+        start, before_ctx = time.monotonic(), []
+        while True:  # the parked request's items until its context comes
+            item = parked.items.get(timeout=120)
+            if not isinstance(item, tuple):
+                break
+            before_ctx.append(item)
+        waited = time.monotonic() - start
+        assert leader.result()[0] and parked.result()[0]
+        assert runner.store.snapshot()["misses"] == 1  # (it was parked: one lookup)
+        keepalives = before_ctx.count((0, 0))
+        # (Every 0.05 s it waited, give or take the steps' length.)
+        assert keepalives >= max(1, int(waited / 0.05) // 3), (waited, before_ctx)
+    finally:
+        runner.close()

@@ -197,3 +197,27 @@ def test_a_conversation_keeps_one_state_per_turn(kind, fixture_path):
     finally:
         runner.close()
         cold.close()
+
+
+@pytest.mark.parametrize("kind,seed", [("qwen3", 3), ("qwen3", None)])
+def test_penalties_count_the_whole_prompt_cached_or_cold(kind, seed, fixture_path):
+    """Repetition and presence penalties look back over the prompt too. On
+    the sequential path (a seed) mlx-lm's generate_step hands the
+    processors only the prompt it is given: the part not cached (nor
+    prefilled to a checkpoint). Cached and cold must still agree."""
+    path = fixture_path(kind)
+    cached, cold = EngineRunner(path), EngineRunner(path, max_bytes=0)
+    vocab_text = cached.loaded.tokenizer.decode(list(range(7, 400)))  # most tokens once
+    try:
+        for penalty in ({"presence_penalty": 5.0, "presence_context_size": 2000},
+                        {"repetition_penalty": 3.0, "repetition_context_size": 2000}):
+            body = {"messages": [{"role": "system", "content": vocab_text},
+                                 {"role": "user", "content": "Plan a day by the river."}],
+                    "max_tokens": 8, **penalty, **({"seed": seed} if seed is not None else {})}
+            for turn in range(2):
+                tokens, _, hit = cached.run(body)
+                assert tokens == cold.run(body)[0], (penalty, turn, hit)
+            assert hit > 0
+    finally:
+        cached.close()
+        cold.close()

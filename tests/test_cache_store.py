@@ -1052,6 +1052,25 @@ def test_read_ahead_by_handlers_at_once_reads_each_file_once_within_the_cap(tmp_
     tier.close()
 
 
+def test_an_entry_over_a_quarter_of_the_budget_is_read_ahead_alone(tmp_path):
+    """Read ahead holds a quarter of the budget; an entry larger than that
+    (within the budget) is still read off the generation thread when no
+    other is held, else its fetch would read it there."""
+    keys = [[k] + list(range(1, 40)) for k in (100, 200)]
+    one = _holding([keys[0]], lambda n: [real_kv(n), real_kv(n, seed=1)])
+    store, tier = with_disk(tmp_path, max_bytes=2 * one)  # a quarter: half an entry
+    for key in keys:
+        store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
+    store.trim_to(0)
+    assert tier.flush(10) and len(store) == 0
+    assert store.read_ahead(MODEL, keys[0] + [7]) is True
+    assert store.read_ahead(MODEL, keys[1] + [7]) is False  # (one is held)
+    found = store.fetch(MODEL, keys[0] + [7])
+    assert (found.kind, found.cached) == ("disk", 40) and store.stats["read_ahead"] == 1
+    assert store.read_ahead(MODEL, keys[1] + [7]) is True  # (none held now)
+    tier.close()
+
+
 def test_housekeeping_lets_go_of_a_stale_read_ahead(tmp_path):
     """A read ahead whose request never came (its client went away) goes
     on a quiet server too: the generation thread's housekeeping drops it."""
@@ -1070,10 +1089,10 @@ def test_housekeeping_lets_go_of_a_stale_read_ahead(tmp_path):
     tier.close()
 
 
-def test_read_ahead_stays_within_a_quarter_of_the_budget(tmp_path):
+def test_read_ahead_never_holds_an_entry_over_the_budget(tmp_path):
     key = list(range(1, 41))
     one = _holding([key], lambda n: [real_kv(n), real_kv(n, seed=1)])
-    store, tier = with_disk(tmp_path, max_bytes=3 * one)  # a quarter: less than the entry
+    store, tier = with_disk(tmp_path, max_bytes=one * 3 // 4)
     store.insert(MODEL, key, [real_kv(40), real_kv(40, seed=1)])
     store.trim_to(0)
     assert tier.flush(10)

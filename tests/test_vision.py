@@ -306,6 +306,26 @@ def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
     assert tokens == cold.run(body)[0]
 
 
+def test_image_prompts_are_counted_off_the_generation_thread(runner):
+    """count_tokens of an image request: Engine.count_prompt plans it on the
+    caller's thread (an executor), the image processor included, and counts
+    what the request would be generated with; the engine admits nothing."""
+    import copy
+
+    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.vision import decode_images
+
+    body = {"messages": [user(image_part(noise(12)), "How many tokens?")], "max_tokens": 2}
+    runner.loaded
+    parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), runner.args)
+    parsed.request.images = images = decode_images([noise(12)])
+    admitted = runner.engine.admitted
+    counted = runner.engine.count_prompt(parsed.request, parsed.args)
+    assert runner.engine.admitted == admitted
+    assert parsed.request.images is images  # (read, not copied nor dropped)
+    assert counted == runner.run(body)[1]
+
+
 def test_image_plans_made_ahead_are_bounded(fixture_path):
     """Plans hold the processor's pixel arrays until admission: at most
     --prompt-concurrency image requests are planned ahead; the next one is
@@ -627,3 +647,43 @@ def test_kv_bits_leaves_vision_layers_as_they_are(fixture_path):
         finally:
             quantized.close()
             plain.close()
+
+
+def test_images_prefilled_while_queued_count_in_flight(fixture_path):
+    """Requests past a full batch wait in the generator's queue; an image
+    request's image stretch was prefilled at admission, into a cache of its
+    own, which counts against --prompt-cache-bytes while it waits (the
+    store gives way), as the running requests' caches do."""
+    import time
+
+    from mlx_lm.server import Response
+
+    r = EngineRunner(fixture_path("qwen2_vl"),
+                     argv=["--decode-concurrency", "1", "--prompt-concurrency", "1"])
+    try:
+        word = r.loaded.tokenizer.encode(" the", add_special_tokens=False)[-1]
+        running = r.submit({"messages": [{"role": "user", "content": "Tell a long story."}],
+                            "max_tokens": 100000, "logit_bias": {str(word): 100}})
+        tokens = 0
+        while tokens < 3:
+            tokens += isinstance(running.items.get(timeout=60), Response)
+        waiting = [r.submit({"messages": [user(*[image_part(noise(10 * i + j))
+                                                  for j in range(4)], f"Describe {i}.")],
+                             "max_tokens": 2}) for i in range(3)]
+        deadline = time.monotonic() + 120
+        while not all(any(not isinstance(x, tuple) for x in list(c.items.queue))
+                      for c in waiting):  # each admitted: its context is out
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        (batch,) = r.engine._batches.values()
+        queued = list(batch.generator._unprocessed_sequences)
+        assert len(queued) == 3
+        theirs = sum(c.nbytes for p in queued for c in p[3])
+        assert theirs > 0
+        assert r.engine.in_flight_nbytes() >= theirs + sum(
+            c.nbytes for c in batch.generator._generation_batch.prompt_cache)
+        running.cancel()
+        for c in waiting:
+            c.result()
+    finally:
+        r.close()
