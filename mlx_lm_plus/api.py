@@ -200,15 +200,17 @@ class Server:
         # from /v1/stats, which the key guards (the page asks for the key).
         if not key or request.path in ("/health", "/dashboard"):
             return True
-        # Anthropic's clients send the key as x-api-key; either header will do.
+        # Anthropic's clients send the key as x-api-key; either header will do
+        # (the scheme's case doesn't matter: RFC 7235).
         # (Header text is bytes decoded with surrogateescape: encoded back
         # the same way, odd bytes compare instead of raising.)
         def same(given, expected):
             return hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                        expected.encode())
 
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         return (same(request.headers.get("x-api-key", ""), key)
-                or same(request.headers.get("Authorization", ""), f"Bearer {key}"))
+                or (scheme.lower() == "bearer" and same(given.strip(" "), key)))
 
     def foreign_caller(self, request: web.Request) -> Optional[str]:
         """Why an admin request may come from another site's page (None: it
@@ -534,11 +536,7 @@ class Server:
                     request, f"Generation engine unavailable: {self.engine.unhealthy_reason}"
                 )
             elif self.in_flight >= self.max_in_flight:
-                response = self.unavailable(
-                    request,
-                    f"Server busy: {self.in_flight} requests in flight "
-                    "(--decode-concurrency + --max-queued-requests)",
-                )
+                response = self._busy(request)
             else:
                 self.in_flight += 1
                 try:
@@ -554,11 +552,24 @@ class Server:
             if self.metrics is not None:
                 self.metrics.observe(track.finish(response))
 
+    def _busy(self, request):
+        return self.unavailable(request, f"Server busy: {self.in_flight} requests in flight "
+                                         "(--decode-concurrency + --max-queued-requests)")
+
     async def _handle_completion(self, request: web.Request, track: "_Tracker",
                                  protocol: Optional[WireProtocol] = None):
         provider = self.model_provider
         try:
-            body = await self._read_body(request)
+            # Not counted in flight while its body comes: clients that open
+            # requests and never send their bodies hold no place (else a few
+            # hundred of them would turn every real request away).
+            self.in_flight -= 1
+            try:
+                body = await self._read_body(request)
+            finally:
+                self.in_flight += 1
+            if self.in_flight > self.max_in_flight:  # (others came in meanwhile)
+                return self._busy(request)
             name = body.get("model") if isinstance(body, dict) else None
             if protocol is not None and not provider.is_served(
                     ModelDescription(str(name), "default_model", None)):

@@ -334,7 +334,10 @@ class _TextBoundary:
         """The prompt rendered as text and tokenized once, with offsets."""
         render = {**kwargs, "tokenize": False}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
-        encoding = backend.encode(text, add_special_tokens=False)
+        # encode_batch lets go of the GIL while it works (encode holds it: a
+        # megabyte prompt would stall the event loop and the generation
+        # thread for a second); same ids and offsets.
+        (encoding,) = backend.encode_batch([text], add_special_tokens=False)
         return cls(tokenizer, backend, text, encoding.ids, encoding.offsets, render)
 
     @classmethod

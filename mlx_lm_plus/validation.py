@@ -123,6 +123,11 @@ def _read_params(body: Dict[str, Any], cli) -> Dict[str, Any]:
     )
 
 
+# The penalties' look-back slices the tokens with it: MLX takes 32-bit
+# indices (past them the batch step fails, and every request in it).
+MAX_CONTEXT_SIZE = 2**31 - 1
+
+
 def _validate_upstream(p: Dict[str, Any]) -> None:
     """validate_model_parameters of mlx_lm.server 0.32.2, in its order."""
     _validate(p, "stream", bool)
@@ -133,11 +138,11 @@ def _validate_upstream(p: Dict[str, Any]) -> None:
     _validate(p, "min_p", (float, int), min_val=0, max_val=1)
     _validate(p, "num_draft_tokens", int, min_val=0)
     _validate(p, "repetition_penalty", (float, int), min_val=0)
-    _validate(p, "repetition_context_size", int, min_val=0)
+    _validate(p, "repetition_context_size", int, min_val=0, max_val=MAX_CONTEXT_SIZE)
     _validate(p, "presence_penalty", (float, int))
-    _validate(p, "presence_context_size", int, min_val=0)
+    _validate(p, "presence_context_size", int, min_val=0, max_val=MAX_CONTEXT_SIZE)
     _validate(p, "frequency_penalty", (float, int))
-    _validate(p, "frequency_context_size", int, min_val=0)
+    _validate(p, "frequency_context_size", int, min_val=0, max_val=MAX_CONTEXT_SIZE)
     _validate(p, "logprobs", bool)
     _validate(p, "top_logprobs", int, min_val=0, max_val=11, whitelist=[-1])
     _validate(p, "xtc_probability", float, min_val=0, max_val=1)
@@ -287,11 +292,21 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
             )
 
 
+# Stop strings are matched by state machines built for each new set (and a
+# hundred sets kept): their cost grows with the text, so it is bounded (a
+# 2 MB list took 10 s to build, stalling every stream, and kept 900 MB).
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARACTERS = 16384
+
+
 def _stop_words(body):
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings")
+    if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARACTERS:
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} strings of "
+                           f"{MAX_STOP_CHARACTERS} characters in all")
     for s in stop:
         try:
             s.encode("utf-8")

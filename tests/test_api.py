@@ -184,7 +184,8 @@ async def test_api_key_guards_everything_but_health(aiohttp_client):
     assert (await client.get("/health")).status == 200
     assert (await client.options("/v1/chat/completions")).status == 204
     body = {"messages": [{"role": "user", "content": "x"}]}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                    {"Authorization": "Basic s3cret"}, {"Authorization": "Bearers3cret"}):
         r = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
         assert await r.json() == {"error": "Invalid or missing API key"}
@@ -193,6 +194,9 @@ async def test_api_key_guards_everything_but_health(aiohttp_client):
     r = await client.post("/v1/chat/completions", json=body,
                           headers={"Authorization": "Bearer s3cret"})
     assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "ok"
+    # The scheme's case doesn't matter (RFC 7235).
+    assert (await client.get("/v1/models", headers={"Authorization": "bearer s3cret"})
+            ).status == 200
 
 
 async def test_limits_body_size_messages_max_tokens(aiohttp_client):
@@ -244,6 +248,27 @@ async def test_queue_limit_is_503_with_retry_after(aiohttp_client):
     assert [(await t).status for t in held] == [200, 200]
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status == 200
+
+
+async def test_requests_whose_bodies_never_come_hold_no_place(aiohttp_client):
+    """A place in flight is taken once a request's body is in: clients that
+    open requests and never send their bodies don't turn real ones away."""
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, [
+        "--decode-concurrency", "1", "--max-queued-requests", "1"])
+    stalled = []
+    for _ in range(3):  # more than the 2 places
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        stalled.append(writer)
+    await asyncio.sleep(0.2)  # (their handlers wait for the rest of the body)
+    r = await client.post("/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status == 200, await r.text()
+    for writer in stalled:
+        writer.close()
 
 
 async def test_remote_images_only_with_the_flag_and_within_limits(aiohttp_client, aiohttp_server):

@@ -343,3 +343,29 @@ def test_a_request_that_breaks_admission_is_answered(fixture_path):
         assert len(runner.run(chat())[0]) == 2
     finally:
         runner.close()
+
+
+def test_stop_strings_and_penalty_look_backs_are_bounded():
+    """A stop list's state machines cost as much as its text (a 2 MB list
+    took 10 s to build, stalling every stream, and kept 900 MB); a look-back
+    past 32-bit indices failed the whole batch step. Both are 400s."""
+    from mlx_lm_plus.validation import (
+        MAX_CONTEXT_SIZE,
+        MAX_STOP_CHARACTERS,
+        MAX_STOP_STRINGS,
+        RequestError,
+        parse_request,
+    )
+    from mlx_lm_plus.server import parse_args
+
+    args = parse_args([])
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    for stop in ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)],
+                 ["x" * (MAX_STOP_CHARACTERS // 2 + 1)] * 2):
+        with pytest.raises(RequestError, match="stop: at most"):
+            parse_request("/v1/chat/completions", {**base, "stop": stop}, args)
+    parse_request("/v1/chat/completions", {**base, "stop": ["x"] * MAX_STOP_STRINGS}, args)
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        with pytest.raises(RequestError, match=f"{name} must be at most"):
+            parse_request("/v1/chat/completions", {**base, name: MAX_CONTEXT_SIZE + 1}, args)
+        parse_request("/v1/chat/completions", {**base, name: MAX_CONTEXT_SIZE}, args)

@@ -12,6 +12,7 @@ sentinels or their invisible separator.
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,38 @@ def test_a_tokenizer_whose_encode_disagrees_is_never_trusted(fixture_path, monke
     for _ in range(prompt.VERIFY_PROMPTS + 1):
         assert prompt._TextBoundary.for_prompt(other, messages, kwargs).tokens == real(
             other, messages, add_generation_prompt=True, **kwargs)
+
+
+def test_tokenizing_a_long_prompt_lets_other_threads_run(fixture_path, monkeypatch):
+    """The planning thread tokenizes a prompt whole (up to --max-request-bytes
+    of text): the tokenizer must let go of the GIL meanwhile, or the event
+    loop and the generation thread stop for as long (a second a megabyte)."""
+    import threading
+
+    tokenizer = load_tokenizer(Path(fixture_path("qwen3")))
+    backend = prompt._TextBoundary._backend(tokenizer, dict(tools=None, tokenize=True))
+    messages = [user("Plan the river trip, day by day, with the boats. " * 40000)]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    # Rendered once beforehand: what is watched is the tokenizing.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **kw: text, raising=False)
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(1)
+            done.wait(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        start = time.perf_counter()
+        encoded = prompt._TextBoundary._encoded(tokenizer, backend, messages, {})
+        took = time.perf_counter() - start
+    finally:
+        done.set()
+        ticker.join()
+    assert encoded.tokens == want
+    # About one tick a millisecond while it ran; asked for: one in ten (the
+    # GIL held, a dozen in a second and a half, in the Python around it).
+    assert len(ticks) >= took * 1000 / 10, (len(ticks), took)
