@@ -53,16 +53,25 @@ def build(cli_args):
     return engine, server
 
 
+# Seconds the handlers of requests the engine answered at shutdown get to
+# write their ends, and then aiohttp's cancelled ones to return.
+SHUTDOWN_GRACE = 2.0
+
+
 async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
-    # On stop, aiohttp closes the listening socket, gives running handlers
-    # shutdown_timeout seconds to finish, then cancels them (and a cancelled
-    # handler cancels its request in the engine).
+    # On stop the listening socket closes, the requests in flight get
+    # --shutdown-timeout seconds to finish; then the engine stops and answers
+    # those left with an error (a stream gets an error event and its end,
+    # not a cut connection), and aiohttp closes what remains (a cancelled
+    # handler cancels its request in the engine). aiohttp's own shutdown
+    # waits its timeout twice (before and after cancelling): it is only
+    # given the grace.
     runner = web.AppRunner(
         make_app(server),
         handler_cancellation=True,
         access_log=None,
         **RUNNER_OPTIONS,
-        shutdown_timeout=server.cli_args.shutdown_timeout,
+        shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -75,7 +84,19 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
             f"Stopping: {server.in_flight} request(s) in flight get up to "
             f"{server.cli_args.shutdown_timeout:g} s to finish"
         )
+        await site.stop()
+        await _drain(server, server.cli_args.shutdown_timeout)
+        if server.in_flight:
+            server.engine.stop()  # (answers what it holds: EngineUnavailable)
+            await _drain(server, SHUTDOWN_GRACE)
         await runner.cleanup()
+
+
+async def _drain(server: Server, timeout: float):
+    """Wait until no request is in flight, at most `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while server.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def run(cli_args):

@@ -704,6 +704,11 @@ class Engine:
         n = sum(len(b.results) for b in list(self._batches.values()))
         return n + (self._current is not None)
 
+    def stop(self):
+        """Stop the generation loop: every request it holds is answered
+        ("server shutting down"), the prompt cache saved to disk (if any)."""
+        self._stop = True
+
     def stop_and_join(self, timeout=None):
         self._stop = True
         self._thread.join(timeout)

@@ -123,6 +123,20 @@ def _read_params(body: Dict[str, Any], cli) -> Dict[str, Any]:
     )
 
 
+# Items a wire protocol's request may carry per message allowed (Responses
+# input items, Anthropic content blocks): they are translated into chat
+# messages on the event loop, and several make one message (a turn's tool
+# calls), so --max-messages alone would not bound that work.
+ITEMS_PER_MESSAGE = 4
+
+
+def check_item_count(n: int, cli, what: str) -> None:
+    most = getattr(cli, "max_messages", None)
+    if most is not None and n > ITEMS_PER_MESSAGE * most:
+        raise RequestError(f"Too many {what}: {n} (this server takes at most "
+                           f"{ITEMS_PER_MESSAGE * most}, {ITEMS_PER_MESSAGE} x --max-messages)")
+
+
 # The penalties' look-back slices the tokens with it: MLX takes 32-bit
 # indices (past them the batch step fails, and every request in it).
 MAX_CONTEXT_SIZE = 2**31 - 1

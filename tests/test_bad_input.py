@@ -369,3 +369,27 @@ def test_stop_strings_and_penalty_look_backs_are_bounded():
         with pytest.raises(RequestError, match=f"{name} must be at most"):
             parse_request("/v1/chat/completions", {**base, name: MAX_CONTEXT_SIZE + 1}, args)
         parse_request("/v1/chat/completions", {**base, name: MAX_CONTEXT_SIZE}, args)
+
+
+def test_wire_protocol_items_are_bounded_before_they_are_translated():
+    """Responses input items and Anthropic content blocks are translated
+    into chat messages on the event loop, several into one (a turn's tool
+    calls): 4 x --max-messages of them at most, checked first (800,000
+    function_call items stalled every stream for 8 s to get a 400)."""
+    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+    from mlx_lm_plus.responses_api import ResponsesProtocol
+    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.validation import RequestError
+
+    cli = parse_args(["--max-messages", "2"])
+    calls = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+             for i in range(9)]
+    with pytest.raises(RequestError, match="Too many input items: 9"):
+        ResponsesProtocol().parse(RESPONSES, response(input=calls), cli, None)
+    ResponsesProtocol().parse(RESPONSES, response(input=[
+        {"type": "message", "role": "user", "content": "hi"}] * 2), cli, None)
+    uses = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(8)]
+    body = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": uses}]}
+    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+        AnthropicProtocol().parse(MESSAGES, body, cli, None)
