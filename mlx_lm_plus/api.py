@@ -52,6 +52,12 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 RUNNER_OPTIONS = {"auto_decompress": False}
 # Bodies larger than this are decoded and parsed in an executor.
 LARGE_BODY_BYTES = 256 << 10
+# Bodies still coming are not counted in flight (a client that never sends
+# its body must not hold a place a real request needs), but at most this
+# many per place are read at once (their bytes are held), each within
+# BODY_READ_SECONDS (408 after).
+READS_PER_PLACE = 2
+BODY_READ_SECONDS = 120.0
 
 
 class AsyncChannel(Channel):
@@ -121,8 +127,10 @@ class Server:
         self.engine = engine
         self.model_provider = model_provider
         self.system_fingerprint = system_fingerprint
-        # Completions accepted and not yet answered (the event loop's own count).
+        # Completions accepted and not yet answered (the event loop's own
+        # count), less those whose bodies are still coming (`reading`).
         self.in_flight = 0
+        self.reading = 0
         self.metrics = metrics
         self._decoding = asyncio.Semaphore(2)
         # Prompts are planned here (templates, tokenizing, a constraint's
@@ -355,7 +363,8 @@ class Server:
                 "planned_at_admission": getattr(engine, "planned_at_admission", None),
                 "generated_tokens": getattr(engine, "tokens_out", None),
             },
-            "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight},
+            "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
+                     "receiving_bodies": self.reading},
             "memory": engine.memory(),
             "models": engine.models(),
             "cache": cache["cache"],
@@ -564,9 +573,17 @@ class Server:
             # requests and never send their bodies hold no place (else a few
             # hundred of them would turn every real request away).
             self.in_flight -= 1
+            self.reading += 1
             try:
-                body = await self._read_body(request)
+                if self.reading > READS_PER_PLACE * self.max_in_flight:
+                    return self.unavailable(request, f"Server busy: {self.reading - 1} "
+                                                     "request bodies being received")
+                body = await asyncio.wait_for(self._read_body(request), BODY_READ_SECONDS)
+            except asyncio.TimeoutError:
+                return self.error(request, f"The request body did not come within "
+                                           f"{BODY_READ_SECONDS:g} s", 408)
             finally:
+                self.reading -= 1
                 self.in_flight += 1
             if self.in_flight > self.max_in_flight:  # (others came in meanwhile)
                 return self._busy(request)
@@ -699,8 +716,10 @@ class Server:
         if count is None:
             return None
         loop = asyncio.get_running_loop()
+        # (Images on the planning thread, one request at a time, as planning.)
+        executor = self._planner if parsed.request.images is not None else None
         try:
-            n = await loop.run_in_executor(None, count, parsed.request, parsed.args)
+            n = await loop.run_in_executor(executor, count, parsed.request, parsed.args)
         except PromptError as e:
             return self.error(request, str(e), 400)
         if n is None:

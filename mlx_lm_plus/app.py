@@ -85,6 +85,9 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
             f"{server.cli_args.shutdown_timeout:g} s to finish"
         )
         await site.stop()
+        # Keep-alive connections take no new request (each closes once its
+        # request in flight is answered).
+        runner.server.pre_shutdown()
         await _drain(server, server.cli_args.shutdown_timeout)
         if server.in_flight:
             server.engine.stop()  # (answers what it holds: EngineUnavailable)

@@ -598,10 +598,14 @@ class Engine:
     def submit(self, channel, request, args):
         if not self.is_healthy:
             raise self._unavailable()
+        if self._stop:
+            raise EngineUnavailable("server shutting down")
         self.requests.put((channel, request, args))
         if self.hung:
             # The watchdog drained the queue before this put landed.
             self._fail_queue(self._unavailable())
+        elif self._stop:  # (the loop may have drained its queue before this put)
+            self._fail_queue(EngineUnavailable("server shutting down"))
 
     def clear_cache(self):
         """Drop every prompt cache entry; MLX's buffer cache follows on the
@@ -1260,6 +1264,7 @@ class Engine:
         self._fail_loading(EngineUnavailable("server shutting down"))
         self._fail_clear(EngineUnavailable("server shutting down"))
         self._save_to_disk()
+        self._fail_queue(EngineUnavailable("server shutting down"))  # (came meanwhile)
         self.model_provider.reset()
         gc.collect()
 
@@ -1858,7 +1863,9 @@ class Engine:
                 self.observe("vision_seconds", time.perf_counter() - tic)
 
         fed = len(plan.tokens) - len(rest)  # (cached, and prefilled to checkpoints here)
-        if logits_processors and fed:
+        # (Speculative decoding hands its processors no prompt at all, cached
+        # or not, but the last token: nothing to add there.)
+        if logits_processors and fed and draft_model is None:
             logits_processors = [_with_prompt(logits_processors, plan.tokens[:fed], False)]
         return cache, stream_generate(
             model=model,

@@ -130,6 +130,21 @@ def _read_params(body: Dict[str, Any], cli) -> Dict[str, Any]:
 ITEMS_PER_MESSAGE = 4
 
 
+def count_items(value, keys) -> int:
+    """List elements in `value`, however nested, walking into dicts by
+    `keys` only (messages, their content blocks, a block's content), as
+    translation walks them. Without recursion: any depth JSON allows."""
+    count, stack = 0, [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            count += len(value)
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.get(k) for k in keys)
+    return count
+
+
 def check_item_count(n: int, cli, what: str) -> None:
     most = getattr(cli, "max_messages", None)
     if most is not None and n > ITEMS_PER_MESSAGE * most:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Larger random models for benchmarks only (not sensitivity-tuned).
-BENCHMARK_KINDS = ("qwen3_mid",)
+BENCHMARK_KINDS = ("qwen3_mid", "qwen3_kv")
 # Models mlx-lm can pipeline (`--pipeline` across ranks): attention, and a
 # hybrid whose two layers split into a rank of attention alone and a rank of
 # the recurrent layer alone (their caches differ in kind: trimmable or not).
@@ -162,6 +162,14 @@ def _config(kind: str, vocab: int) -> dict:
         mid = dict(attn, hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
                    head_dim=64, intermediate_size=1408)
         return dict(model_type="qwen3", num_hidden_layers=8, rope_theta=10000.0, **mid)
+    if kind == "qwen3_kv":
+        # Tiny, with the head dim MLX's KV quantization takes (64): a decode
+        # step costs about the same for 1 row or 8 (fixed costs dominate, as
+        # a memory-bound step on a GPU), so batching's gain under --kv-bits
+        # shows; qwen3_mid is compute-bound on a 2-core CPU.
+        small = dict(attn, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=64, intermediate_size=256)
+        return dict(model_type="qwen3", num_hidden_layers=2, rope_theta=10000.0, **small)
     if kind == "llama":
         return dict(model_type="llama", num_hidden_layers=2, rope_theta=10000.0, **attn)
     if kind == "qwen2":

@@ -264,11 +264,36 @@ async def test_requests_whose_bodies_never_come_hold_no_place(aiohttp_client):
         await writer.drain()
         stalled.append(writer)
     await asyncio.sleep(0.2)  # (their handlers wait for the rest of the body)
-    r = await client.post("/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": "x"}]})
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    r = await client.post("/v1/chat/completions", json=body)
     assert r.status == 200, await r.text()
+    # Bodies read at once are bounded all the same (2 per place: 4 here).
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    stalled.append(writer)
+    await asyncio.sleep(0.2)
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status == 503 and "request bodies being received" in (await r.json())["error"]
     for writer in stalled:
         writer.close()
+    await asyncio.sleep(0.2)
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+
+
+async def test_a_body_that_does_not_come_in_time_is_a_408(aiohttp_client, monkeypatch):
+    from mlx_lm_plus import api
+
+    monkeypatch.setattr(api, "BODY_READ_SECONDS", 0.3)
+    engine = ScriptedEngine([])
+    client = await make_client(aiohttp_client, engine, [])
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    status = await asyncio.wait_for(reader.readline(), 10)
+    assert status.startswith(b"HTTP/1.1 408"), status
+    writer.close()
+    assert engine.channels == []
 
 
 async def test_remote_images_only_with_the_flag_and_within_limits(aiohttp_client, aiohttp_server):

@@ -384,8 +384,12 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     cli = parse_args(["--max-messages", "2"])
     calls = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
              for i in range(9)]
-    with pytest.raises(RequestError, match="Too many input items: 9"):
+    with pytest.raises(RequestError, match="Too many input items and parts: 9"):
         ResponsesProtocol().parse(RESPONSES, response(input=calls), cli, None)
+    parts = [{"type": "input_text", "text": "x"}] * 8  # (nested: counted too)
+    with pytest.raises(RequestError, match="Too many input items and parts: 9"):
+        ResponsesProtocol().parse(RESPONSES, response(input=[
+            {"type": "message", "role": "user", "content": parts}]), cli, None)
     ResponsesProtocol().parse(RESPONSES, response(input=[
         {"type": "message", "role": "user", "content": "hi"}] * 2), cli, None)
     uses = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(8)]
@@ -393,3 +397,12 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": uses}]}
     with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
         AnthropicProtocol().parse(MESSAGES, body, cli, None)
+    texts = [{"type": "text", "text": "x"}] * 8
+    body = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": texts}]}]}
+    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+        AnthropicProtocol().parse(MESSAGES, body, cli, None)
+    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+        AnthropicProtocol().parse(MESSAGES, {**body, "messages": [
+            {"role": "user", "content": "hi"}], "system": texts + texts[:1]}, cli, None)

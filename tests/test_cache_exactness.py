@@ -199,14 +199,17 @@ def test_a_conversation_keeps_one_state_per_turn(kind, fixture_path):
         cold.close()
 
 
-@pytest.mark.parametrize("kind,seed", [("qwen3", 3), ("qwen3", None)])
-def test_penalties_count_the_whole_prompt_cached_or_cold(kind, seed, fixture_path):
+@pytest.mark.parametrize("kind,seed,draft", [("qwen3", 3, False), ("qwen3", None, False),
+                                             ("qwen3", 3, True)])
+def test_penalties_count_the_whole_prompt_cached_or_cold(kind, seed, draft, fixture_path):
     """Repetition and presence penalties look back over the prompt too. On
     the sequential path (a seed) mlx-lm's generate_step hands the
     processors only the prompt it is given: the part not cached (nor
-    prefilled to a checkpoint). Cached and cold must still agree."""
+    prefilled to a checkpoint); with a draft model, none of it. Cached and
+    cold must still agree."""
     path = fixture_path(kind)
-    cached, cold = EngineRunner(path), EngineRunner(path, max_bytes=0)
+    argv = ["--draft-model", str(path)] if draft else []
+    cached, cold = EngineRunner(path, argv=argv), EngineRunner(path, max_bytes=0, argv=argv)
     vocab_text = cached.loaded.tokenizer.decode(list(range(7, 400)))  # most tokens once
     try:
         for penalty in ({"presence_penalty": 5.0, "presence_context_size": 2000},

@@ -1211,6 +1211,22 @@ def test_chunked_layers_past_their_chunk_are_never_trimmed(tmp_path):
     store.trim_to(0)  # to disk, as not trimmable either
     assert tier.flush(10) and tier.find(key[:5] + [99]) is None
     assert tier.find(key + [99])[0] == 20
+    # A row written before the tier knew (its flag says trimmable): a miss
+    # all the same, not layers at different offsets.
+    import mlx_lm_plus.disk_cache as disk_module
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    store.clear()
+    old = [5] + key[1:]
+    real = disk_module.trims_to_any_prefix
+    disk_module.trims_to_any_prefix = can_trim_prompt_cache
+    try:
+        store.insert(MODEL, old, [chunked(20, 8), kv(20)])
+        store.trim_to(0)
+        assert tier.flush(10) and tier.find(old[:5] + [99])[0] == 5
+    finally:
+        disk_module.trims_to_any_prefix = real
+    assert store.fetch(MODEL, old[:5] + [99]).kind == "miss"
     # Within its chunk it still holds every token: trimmed like plain KV.
     store.insert(MODEL, [7] * 6, [chunked(6, 8), kv(6)])
     found = store.fetch(MODEL, [7] * 3 + [99])

@@ -117,9 +117,10 @@ def test_queued_copies_of_stored_entries_are_not_counted(runner):
     assert fetched.cache is not None
     batch = engine_module._Batch.__new__(engine_module._Batch)
     batch.generator = BatchGenerator(runner.loaded.model)
-    batch.generator.insert_segments(segments=[[[5, 6]]], max_tokens=[1],
-                                    caches=[fetched.cache],
-                                    all_tokens=[list(entry.key)])
+    (uid,) = batch.generator.insert_segments(segments=[[[5, 6]]], max_tokens=[1],
+                                             caches=[fetched.cache],
+                                             all_tokens=[list(entry.key)])
+    batch.results = {uid: {"prefilled": False}}  # (from the store: no images prefilled)
     assert batch.generator.prompt_cache_nbytes >= entry.nbytes  # upstream's count
     assert batch.owned_nbytes() == 0
     batch.generator.close()
@@ -345,5 +346,36 @@ def test_housekeeping_lets_stale_reads_ahead_go_on_a_quiet_server(fixture_path):
         runner.store.drop_stale_read_ahead = lambda: asked.append(time.monotonic())
         time.sleep(4 * engine_module.HOUSEKEEPING_EVERY)
         assert len(asked) >= 2
+    finally:
+        runner.close()
+
+
+def test_requests_after_a_stop_are_answered(fixture_path):
+    """Once the engine is told to stop (a graceful shutdown past
+    --shutdown-timeout), a request submitted gets "server shutting down" at
+    once, and one that slipped into the queue while the loop saved the
+    prompt cache is answered after the save (never left waiting)."""
+    from mlx_lm_plus.engine import EngineUnavailable
+    from mlx_lm_plus.validation import parse_request
+
+    runner = EngineRunner(fixture_path("qwen3"))
+    engine = runner.engine
+    parsed = parse_request("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, runner.args)
+    late = Collect()
+    save = engine._save_to_disk
+
+    def save_while_one_comes():
+        engine.requests.put((late, parsed.request, parsed.args))  # (past submit's check)
+        save()
+
+    engine._save_to_disk = save_while_one_comes
+    try:
+        runner.loaded
+        engine.stop()
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            engine.submit(Collect(), parsed.request, parsed.args)
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            late.result(timeout=30)
     finally:
         runner.close()

@@ -315,11 +315,21 @@ def test_sigterm_finishes_short_requests_cuts_long_ones_and_exits_0(fixture_path
             if s.get("/v1/stats")[1]["engine"]["active_requests"] == 2:
                 break
             time.sleep(0.01)
+        import http.client
+
+        pooled = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+        pooled.request("GET", "/health")
+        assert pooled.getresponse().read() and pooled.sock is not None  # (kept alive)
         stopped_at = time.time()
         os.killpg(s.proc.pid, signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", s.port), timeout=2).close()
+        # An open keep-alive connection takes no new request either.
+        with pytest.raises((OSError, http.client.HTTPException)):
+            pooled.request("POST", "/v1/chat/completions", json.dumps(
+                {"messages": user("Late."), "max_tokens": 2}), {"Content-Type": "application/json"})
+            pooled.getresponse().read()
         assert s.proc.wait(30) == 0
         took = time.time() - stopped_at
         short.join(10)
