@@ -1,6 +1,9 @@
 """--kv-bits under load: burst throughput with a quantized KV cache, batched.
 
     python -m benchmarks.kv_bits                      # qwen3_mid fixture (head dim 64)
+    python -m benchmarks.kv_bits --model-kind qwen3_kv --max-tokens 128
+                                                      # tiny, head dim 64: a step
+                                                      # costs ~the same for 1 row or 8
     python -m benchmarks.kv_bits --rounds 5 --max-tokens 128
     python -m benchmarks.kv_bits --model PATH --json out.json
 
