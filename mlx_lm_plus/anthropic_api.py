@@ -32,7 +32,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from .logs import warn_once
-from .validation import RequestError, check_item_count, count_items, parse_request
+from .validation import RequestError, check_item_count, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 MESSAGES = "/v1/messages"
@@ -394,9 +394,8 @@ class AnthropicProtocol(WireProtocol):
     def parse(self, path, body, cli, vocab_size):
         count_only = path == COUNT_TOKENS
         if isinstance(body, dict):
-            check_item_count(count_items(body.get("messages"), ("content",))
-                             + count_items(body.get("system"), ("content",)),
-                             cli, "messages and content blocks")
+            check_item_count([body.get("messages"), body.get("system")], ("content",), cli,
+                             "messages and content blocks")
         chat = to_chat_body(body, count_only, self.strip_billing_header)
         parsed = parse_request("/v1/chat/completions", chat, cli, vocab_size)
         if count_only:

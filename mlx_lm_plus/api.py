@@ -52,12 +52,15 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 RUNNER_OPTIONS = {"auto_decompress": False}
 # Bodies larger than this are decoded and parsed in an executor.
 LARGE_BODY_BYTES = 256 << 10
-# Bodies still coming are not counted in flight (a client that never sends
-# its body must not hold a place a real request needs), but at most this
-# many per place are read at once (their bytes are held), each within
-# BODY_READ_SECONDS (408 after).
-READS_PER_PLACE = 2
-BODY_READ_SECONDS = 120.0
+# Bodies still coming are not counted in flight: a client that never sends
+# its body must not hold a place a real request needs. What bounds them is
+# the bytes actually received and held at once (a stalled connection holds
+# none; one that declares a large body and trickles holds what it sent),
+# at most RECEIVING_BYTES or twice --max-request-bytes, and a body that
+# makes no progress for BODY_IDLE_SECONDS gets a 408 (a slow upload that
+# progresses goes on).
+RECEIVING_BYTES = 1 << 30
+BODY_IDLE_SECONDS = 60.0
 
 
 class AsyncChannel(Channel):
@@ -131,6 +134,9 @@ class Server:
         # count), less those whose bodies are still coming (`reading`).
         self.in_flight = 0
         self.reading = 0
+        self.receiving_bytes = 0  # (of bodies being read)
+        # Set at shutdown: new completions get 503 and their connections close.
+        self.stopping = False
         self.metrics = metrics
         self._decoding = asyncio.Semaphore(2)
         # Prompts are planned here (templates, tokenizing, a constraint's
@@ -364,7 +370,8 @@ class Server:
                 "generated_tokens": getattr(engine, "tokens_out", None),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
-                     "receiving_bodies": self.reading},
+                     "receiving_bodies": self.reading,
+                     "receiving_bytes": self.receiving_bytes},
             "memory": engine.memory(),
             "models": engine.models(),
             "cache": cache["cache"],
@@ -423,15 +430,40 @@ class Server:
             raise RequestError(
                 f"Content-Encoding {encoding!r} is not supported: send the body "
                 "uncompressed", 415)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
-        except (web.HTTPException, web.RequestPayloadError) as e:
-            raise RequestError(f"Could not read the request body: {e}", 400) from e
+        raw = await self._receive(request, request.content_length or 0)
         if len(raw) > LARGE_BODY_BYTES:  # ~10 ms a MB: not on the loop
             return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
         return _parse_body(raw)
+
+    async def _receive(self, request, length: int) -> bytes:
+        """The body's `length` bytes as they come: counted in
+        receiving_bytes while held here (503 past the bound), 408 when
+        none come for BODY_IDLE_SECONDS."""
+        limit = getattr(self.cli_args, "max_request_bytes", None) or 0
+        bound = max(RECEIVING_BYTES, 2 * limit)
+        raw = bytearray()
+        try:
+            while len(raw) < length:
+                try:
+                    chunk = await asyncio.wait_for(
+                        request.content.read(min(1 << 20, length - len(raw))),
+                        BODY_IDLE_SECONDS)
+                except asyncio.TimeoutError:
+                    raise RequestError(f"No request body bytes came for "
+                                       f"{BODY_IDLE_SECONDS:g} s", 408) from None
+                if not chunk:
+                    raise RequestError(f"The request body ended after {len(raw)} of "
+                                       f"{length} bytes (Content-Length)", 400)
+                raw += chunk
+                self.receiving_bytes += len(chunk)
+                if self.receiving_bytes > bound:
+                    raise RequestError(f"Server busy: {self.receiving_bytes >> 20} MiB of "
+                                       "request bodies being received", 503)
+        except (web.HTTPException, web.RequestPayloadError) as e:
+            raise RequestError(f"Could not read the request body: {e}", 400) from e
+        finally:
+            self.receiving_bytes -= len(raw)
+        return bytes(raw)
 
     async def _decode_images(self, req, model):
         """Decode, scale down and fingerprint a request's images in an
@@ -544,6 +576,9 @@ class Server:
                 response = self.unavailable(
                     request, f"Generation engine unavailable: {self.engine.unhealthy_reason}"
                 )
+            elif self.stopping:
+                response = self.unavailable(request, "server shutting down")
+                response.force_close()
             elif self.in_flight >= self.max_in_flight:
                 response = self._busy(request)
             else:
@@ -575,13 +610,7 @@ class Server:
             self.in_flight -= 1
             self.reading += 1
             try:
-                if self.reading > READS_PER_PLACE * self.max_in_flight:
-                    return self.unavailable(request, f"Server busy: {self.reading - 1} "
-                                                     "request bodies being received")
-                body = await asyncio.wait_for(self._read_body(request), BODY_READ_SECONDS)
-            except asyncio.TimeoutError:
-                return self.error(request, f"The request body did not come within "
-                                           f"{BODY_READ_SECONDS:g} s", 408)
+                body = await self._read_body(request)
             finally:
                 self.reading -= 1
                 self.in_flight += 1

@@ -85,9 +85,10 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
             f"{server.cli_args.shutdown_timeout:g} s to finish"
         )
         await site.stop()
-        # Keep-alive connections take no new request (each closes once its
-        # request in flight is answered).
-        runner.server.pre_shutdown()
+        # A new request on a keep-alive connection gets a 503 and the
+        # connection closes (aiohttp's pre_shutdown would drop the bytes
+        # still coming on every connection, bodies being uploaded included).
+        server.stopping = True
         await _drain(server, server.cli_args.shutdown_timeout)
         if server.in_flight:
             server.engine.stop()  # (answers what it holds: EngineUnavailable)
@@ -96,9 +97,10 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
 
 
 async def _drain(server: Server, timeout: float):
-    """Wait until no request is in flight, at most `timeout` seconds."""
+    """Wait until no request is in flight (its body coming included), at
+    most `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while server.in_flight and asyncio.get_running_loop().time() < deadline:
+    while (server.in_flight or server.reading) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
 
 

@@ -681,7 +681,9 @@ class PromptStore:
             return None
         if covered < handle.ntokens and not trims_to_any_prefix(stored):
             # (A row written before the tier knew chunked layers past their
-            # chunk can't be trimmed: its flag said they could.)
+            # chunk can't be trimmed: its flag said they could. Dropped, not
+            # read again at every lookup.)
+            tier.discard(handle)
             return None
         try:
             cache = restore_from_store(stored, handle.ntokens - covered)
@@ -707,9 +709,8 @@ class PromptStore:
         takes it (_from_disk) instead of reading the file while running
         streams wait. Held entries count in `nbytes`, together at most a
         quarter of the budget; one not fetched within READ_AHEAD_SECONDS of
-        its read is let go (one entry larger than that quarter is read
-        when none is held and the budget has room for it). Returns True
-        when it read one; when another
+        its read is let go (one entry up to half the budget is read when
+        none is held). Returns True when it read one; when another
         caller is reading that entry, the Future its read ends (the caller
         waits for it rather than leave the read to the generation thread);
         else False."""
@@ -724,14 +725,13 @@ class PromptStore:
         covered, handle = on_disk
         name = (model, handle.name)
         with self._lock:
-            # (One entry larger than the quarter, when none is held and the
-            # budget has room for it as it is: its read would otherwise stall
-            # every stream on the generation thread; held, it must not
-            # evict what memory holds for a client that may go away.)
+            # (One entry up to half the budget when none is held: its read
+            # would otherwise stall every stream on the generation thread.
+            # What it evicts goes to disk, this tier, not away; bounded, for
+            # a client that may go away.)
             room = (self.max_bytes is None
                     or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4
-                    or (not self.read_ahead_bytes
-                        and self.nbytes + handle.nbytes <= self.max_bytes))
+                    or (not self.read_ahead_bytes and handle.nbytes <= self.max_bytes // 2))
             held = self._read_ahead.get(name)
             if held is not None:
                 return held.loaded if held.cache is None else False

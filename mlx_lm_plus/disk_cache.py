@@ -766,6 +766,17 @@ class DiskTier:
         self.used(handle, count)
         return cache
 
+    def discard(self, handle: DiskEntry) -> None:
+        """Drop an entry (its file now, its row when the writer next syncs
+        the index)."""
+        with self._lock:
+            if self._entries.get(handle.name) is not handle:
+                return
+            _unlink(self._file(handle.name))
+            self._remove(handle)
+            self._touched.pop(handle.name, None)
+            self._deleted.add(handle.name)
+
     def used(self, handle: DiskEntry, count: bool = True):
         """The entry's use (eviction goes by last use), and a hit if `count`."""
         with self._lock:

@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .validation import RequestError, check_item_count, count_items, parse_request
+from .validation import RequestError, check_item_count, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 RESPONSES = "/v1/responses"
@@ -640,7 +640,7 @@ class ResponsesProtocol(WireProtocol):
             raise RequestError(f"max_output_tokens: must be at most {ceiling} on this server "
                         "(--max-tokens-ceiling)")
         if isinstance(body, dict):
-            check_item_count(count_items(body.get("input"), ("content", "output")), cli,
+            check_item_count([body.get("input")], ("content", "output"), cli,
                              "input items and parts")
         chat, extra = to_chat_body(body, self.store, count_only)
         parsed = parse_request("/v1/chat/completions", chat, cli, vocab_size)

@@ -130,26 +130,35 @@ def _read_params(body: Dict[str, Any], cli) -> Dict[str, Any]:
 ITEMS_PER_MESSAGE = 4
 
 
-def count_items(value, keys) -> int:
+def count_items(value, keys, limit: int) -> int:
     """List elements in `value`, however nested, walking into dicts by
     `keys` only (messages, their content blocks, a block's content), as
-    translation walks them. Without recursion: any depth JSON allows."""
+    translation walks them; it stops once past `limit` (a 128 MiB body may
+    hold 67 million). Without recursion: any depth JSON allows."""
     count, stack = 0, [value]
-    while stack:
+    while stack and count <= limit:
         value = stack.pop()
         if isinstance(value, list):
             count += len(value)
-            stack.extend(value)
+            if count <= limit:
+                stack.extend(value)
         elif isinstance(value, dict):
             stack.extend(value.get(k) for k in keys)
     return count
 
 
-def check_item_count(n: int, cli, what: str) -> None:
+def check_item_count(values, keys, cli, what: str) -> None:
+    """At most ITEMS_PER_MESSAGE x --max-messages items in `values` (each
+    counted by count_items), or a 400."""
     most = getattr(cli, "max_messages", None)
-    if most is not None and n > ITEMS_PER_MESSAGE * most:
-        raise RequestError(f"Too many {what}: {n} (this server takes at most "
-                           f"{ITEMS_PER_MESSAGE * most}, {ITEMS_PER_MESSAGE} x --max-messages)")
+    if most is None:
+        return
+    limit, n = ITEMS_PER_MESSAGE * most, 0
+    for value in values:
+        n += count_items(value, keys, limit - n)
+    if n > limit:
+        raise RequestError(f"Too many {what}: more than {limit} ({ITEMS_PER_MESSAGE} x "
+                           "--max-messages)")
 
 
 # The penalties' look-back slices the tokens with it: MLX takes 32-bit

@@ -267,24 +267,42 @@ async def test_requests_whose_bodies_never_come_hold_no_place(aiohttp_client):
     body = {"messages": [{"role": "user", "content": "x"}]}
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status == 200, await r.text()
-    # Bodies read at once are bounded all the same (2 per place: 4 here).
-    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-    stalled.append(writer)
-    await asyncio.sleep(0.2)
-    r = await client.post("/v1/chat/completions", json=body)
-    assert r.status == 503 and "request bodies being received" in (await r.json())["error"]
     for writer in stalled:
         writer.close()
-    await asyncio.sleep(0.2)
-    assert (await client.post("/v1/chat/completions", json=body)).status == 200
 
 
-async def test_a_body_that_does_not_come_in_time_is_a_408(aiohttp_client, monkeypatch):
+async def test_bytes_of_bodies_being_received_are_bounded(aiohttp_client, monkeypatch):
+    """What bodies still coming hold is bounded by the bytes received (at
+    least twice --max-request-bytes): past it, the request whose bytes went
+    over gets a 503; a connection that sent nothing holds nothing."""
     from mlx_lm_plus import api
 
-    monkeypatch.setattr(api, "BODY_READ_SECONDS", 0.3)
+    monkeypatch.setattr(api, "RECEIVING_BYTES", 0)  # (the bound: 2 x 2000 bytes)
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, ["--max-request-bytes", "2000"])
+    held = []
+    for _ in range(2):  # 1,990 bytes each held, of 1,999
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1999\r\n\r\n"
+                     + b"{" + b" " * 1989)
+        await writer.drain()
+        held.append(writer)
+    await asyncio.sleep(0.3)  # (received: their handlers wait for the rest)
+    small = {"messages": [{"role": "user", "content": "x"}]}
+    r = await client.post("/v1/chat/completions", json=small)  # 3,980 + its ~50: over
+    assert r.status == 503 and "request bodies being received" in (await r.json())["error"]
+    held.pop().close()
+    await asyncio.sleep(0.3)
+    assert (await client.post("/v1/chat/completions", json=small)).status == 200
+    for writer in held:
+        writer.close()
+
+
+async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, monkeypatch):
+    from mlx_lm_plus import api
+
+    monkeypatch.setattr(api, "BODY_IDLE_SECONDS", 0.3)
     engine = ScriptedEngine([])
     client = await make_client(aiohttp_client, engine, [])
     reader, writer = await asyncio.open_connection(client.server.host, client.server.port)

@@ -381,13 +381,20 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     from mlx_lm_plus.server import parse_args
     from mlx_lm_plus.validation import RequestError
 
+    from mlx_lm_plus.validation import count_items
+
+    class Unwalked(list):  # (a list the count must not walk once past its limit)
+        def __iter__(self):
+            raise AssertionError("walked past the limit")
+
+    assert count_items([{"content": Unwalked(range(100))}], ("content",), 10) > 10
     cli = parse_args(["--max-messages", "2"])
     calls = [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
              for i in range(9)]
-    with pytest.raises(RequestError, match="Too many input items and parts: 9"):
+    with pytest.raises(RequestError, match="Too many input items and parts: more than 8"):
         ResponsesProtocol().parse(RESPONSES, response(input=calls), cli, None)
     parts = [{"type": "input_text", "text": "x"}] * 8  # (nested: counted too)
-    with pytest.raises(RequestError, match="Too many input items and parts: 9"):
+    with pytest.raises(RequestError, match="Too many input items and parts: more than 8"):
         ResponsesProtocol().parse(RESPONSES, response(input=[
             {"type": "message", "role": "user", "content": parts}]), cli, None)
     ResponsesProtocol().parse(RESPONSES, response(input=[
@@ -395,14 +402,14 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     uses = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(8)]
     body = {"model": "m", "max_tokens": 2, "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": uses}]}
-    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+    with pytest.raises(RequestError, match="Too many messages and content blocks: more than 8"):
         AnthropicProtocol().parse(MESSAGES, body, cli, None)
     texts = [{"type": "text", "text": "x"}] * 8
     body = {"model": "m", "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                       "content": texts}]}]}
-    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+    with pytest.raises(RequestError, match="Too many messages and content blocks: more than 8"):
         AnthropicProtocol().parse(MESSAGES, body, cli, None)
-    with pytest.raises(RequestError, match="Too many messages and content blocks: 10"):
+    with pytest.raises(RequestError, match="Too many messages and content blocks: more than 8"):
         AnthropicProtocol().parse(MESSAGES, {**body, "messages": [
             {"role": "user", "content": "hi"}], "system": texts + texts[:1]}, cli, None)
