@@ -54,13 +54,15 @@ RUNNER_OPTIONS = {"auto_decompress": False}
 LARGE_BODY_BYTES = 256 << 10
 # Bodies still coming are not counted in flight: a client that never sends
 # its body must not hold a place a real request needs. What bounds them is
-# the bytes actually received and held at once (a stalled connection holds
-# none; one that declares a large body and trickles holds what it sent),
-# at most RECEIVING_BYTES or twice --max-request-bytes, and a body that
-# makes no progress for BODY_IDLE_SECONDS gets a 408 (a slow upload that
-# progresses goes on).
+# the bytes actually received and held at once, until parsed (a stalled
+# connection holds none), at most RECEIVING_BYTES or twice
+# --max-request-bytes; and time, as Apache's mod_reqtimeout does: a body
+# gets a 408 when no byte comes for BODY_IDLE_SECONDS, or when it is past
+# BODY_IDLE_SECONDS plus a second per BODY_MIN_RATE bytes received (a slow
+# upload that keeps that rate goes on; a trickle can't hold bytes for ever).
 RECEIVING_BYTES = 1 << 30
 BODY_IDLE_SECONDS = 60.0
+BODY_MIN_RATE = 64 << 10
 
 
 class AsyncChannel(Channel):
@@ -134,7 +136,8 @@ class Server:
         # count), less those whose bodies are still coming (`reading`).
         self.in_flight = 0
         self.reading = 0
-        self.receiving_bytes = 0  # (of bodies being read)
+        self.receiving_bytes = 0  # (of bodies being read or parsed)
+        self.body_progress_at = 0.0  # (loop time) when a body's bytes last came
         # Set at shutdown: new completions get 503 and their connections close.
         self.stopping = False
         self.metrics = metrics
@@ -248,7 +251,10 @@ class Server:
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         try:
-            return await self._dispatch(request)
+            response = await self._dispatch(request)
+            if self.stopping and not response.prepared:
+                response.force_close()  # (keep-alive connections close as they answer)
+            return response
         except (asyncio.CancelledError, ConnectionResetError, web.HTTPException):
             raise
         except Exception as e:
@@ -329,6 +335,9 @@ class Server:
         return self.error(request, f"Unsupported method ({request.method!r})", 501)
 
     def handle_health(self, request):
+        if self.stopping:
+            return self.json_response(
+                request, {"status": "unavailable", "reason": "server shutting down"}, 503)
         if self.engine.is_healthy:
             return self.json_response(request, {"status": "ok"})
         return self.json_response(
@@ -431,39 +440,50 @@ class Server:
                 f"Content-Encoding {encoding!r} is not supported: send the body "
                 "uncompressed", 415)
         raw = await self._receive(request, request.content_length or 0)
-        if len(raw) > LARGE_BODY_BYTES:  # ~10 ms a MB: not on the loop
-            return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
-        return _parse_body(raw)
+        try:
+            if len(raw) > LARGE_BODY_BYTES:  # ~10 ms a MB: not on the loop
+                return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
+            return _parse_body(raw)
+        finally:
+            self.receiving_bytes -= len(raw)  # (held until parsed)
 
-    async def _receive(self, request, length: int) -> bytes:
-        """The body's `length` bytes as they come: counted in
-        receiving_bytes while held here (503 past the bound), 408 when
-        none come for BODY_IDLE_SECONDS."""
+    async def _receive(self, request, length: int) -> bytearray:
+        """The body's `length` bytes as they come, counted in
+        receiving_bytes (503 past the bound; the caller releases them once
+        parsed); 408 when too slow (BODY_IDLE_SECONDS, BODY_MIN_RATE)."""
         limit = getattr(self.cli_args, "max_request_bytes", None) or 0
         bound = max(RECEIVING_BYTES, 2 * limit)
-        raw = bytearray()
+        loop = asyncio.get_running_loop()
+        start, raw = loop.time(), bytearray()
         try:
             while len(raw) < length:
+                deadline = start + BODY_IDLE_SECONDS + len(raw) / BODY_MIN_RATE
+                wait = min(BODY_IDLE_SECONDS, deadline - loop.time())
                 try:
+                    if wait <= 0:
+                        raise asyncio.TimeoutError
                     chunk = await asyncio.wait_for(
-                        request.content.read(min(1 << 20, length - len(raw))),
-                        BODY_IDLE_SECONDS)
+                        request.content.read(min(1 << 20, length - len(raw))), wait)
                 except asyncio.TimeoutError:
-                    raise RequestError(f"No request body bytes came for "
-                                       f"{BODY_IDLE_SECONDS:g} s", 408) from None
+                    raise RequestError(f"The request body came too slowly ({len(raw)} of "
+                                       f"{length} bytes in {loop.time() - start:.0f} s)",
+                                       408) from None
                 if not chunk:
                     raise RequestError(f"The request body ended after {len(raw)} of "
                                        f"{length} bytes (Content-Length)", 400)
                 raw += chunk
                 self.receiving_bytes += len(chunk)
+                self.body_progress_at = loop.time()
                 if self.receiving_bytes > bound:
                     raise RequestError(f"Server busy: {self.receiving_bytes >> 20} MiB of "
                                        "request bodies being received", 503)
         except (web.HTTPException, web.RequestPayloadError) as e:
-            raise RequestError(f"Could not read the request body: {e}", 400) from e
-        finally:
             self.receiving_bytes -= len(raw)
-        return bytes(raw)
+            raise RequestError(f"Could not read the request body: {e}", 400) from e
+        except BaseException:  # (408, 503, 400 above; the client going away)
+            self.receiving_bytes -= len(raw)
+            raise
+        return raw
 
     async def _decode_images(self, req, model):
         """Decode, scale down and fingerprint a request's images in an
@@ -588,10 +608,16 @@ class Server:
                 finally:
                     self.in_flight -= 1
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler).
             track.cancelled = True
             raise
+        except ConnectionResetError:
+            # The client went away while its body came (nothing to answer,
+            # nothing to log: aiohttp would log a 500 with a traceback).
+            track.cancelled = True
+            response = web.Response(status=499)
+            return response
         finally:
             if self.metrics is not None:
                 self.metrics.observe(track.finish(response))

@@ -97,10 +97,13 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
 
 
 async def _drain(server: Server, timeout: float):
-    """Wait until no request is in flight (its body coming included), at
-    most `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (server.in_flight or server.reading) and asyncio.get_running_loop().time() < deadline:
+    """Wait until no request is in flight, nor a body coming (one that sent
+    a byte in the last second: a client that went quiet is not waited
+    for), at most `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (server.in_flight or (server.reading and loop.time() - server.body_progress_at < 1.0)
+           ) and loop.time() < deadline:
         await asyncio.sleep(0.05)
 
 

@@ -681,9 +681,9 @@ class PromptStore:
             return None
         if covered < handle.ntokens and not trims_to_any_prefix(stored):
             # (A row written before the tier knew chunked layers past their
-            # chunk can't be trimmed: its flag said they could. Dropped, not
-            # read again at every lookup.)
-            tier.discard(handle)
+            # chunk can't be trimmed: its flag said they could. Flagged now,
+            # not offered trimmed again; still exact for its own key.)
+            tier.not_trimmable(handle)
             return None
         try:
             cache = restore_from_store(stored, handle.ntokens - covered)

@@ -766,16 +766,11 @@ class DiskTier:
         self.used(handle, count)
         return cache
 
-    def discard(self, handle: DiskEntry) -> None:
-        """Drop an entry (its file now, its row when the writer next syncs
-        the index)."""
+    def not_trimmable(self, handle: DiskEntry) -> None:
+        """Offer the entry for its own key only from now on (in this
+        process: a row's flag on disk is as it was written)."""
         with self._lock:
-            if self._entries.get(handle.name) is not handle:
-                return
-            _unlink(self._file(handle.name))
-            self._remove(handle)
-            self._touched.pop(handle.name, None)
-            self._deleted.add(handle.name)
+            handle.trimmable = False
 
     def used(self, handle: DiskEntry, count: bool = True):
         """The entry's use (eviction goes by last use), and a hit if `count`."""

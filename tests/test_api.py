@@ -299,6 +299,54 @@ async def test_bytes_of_bodies_being_received_are_bounded(aiohttp_client, monkey
         writer.close()
 
 
+async def test_a_body_too_slow_is_a_408_one_that_keeps_a_rate_goes_on(aiohttp_client,
+                                                                      monkeypatch, caplog):
+    """As Apache's mod_reqtimeout: a body gets BODY_IDLE_SECONDS, plus a
+    second per BODY_MIN_RATE bytes received; a trickle can't hold its bytes
+    for ever, an upload at the rate goes on. A client that goes away mid-body
+    is no error."""
+    from mlx_lm_plus import api
+
+    monkeypatch.setattr(api, "BODY_IDLE_SECONDS", 0.5)
+    monkeypatch.setattr(api, "BODY_MIN_RATE", 2000)
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    client = await make_client(aiohttp_client, engine, [])
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 3000}]}).encode()
+
+    async def send(pieces, pause):
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        step = -(-len(body) // pieces)
+        for n, i in enumerate(range(0, len(body), step)):
+            if n == 20 or reader.at_eof() or reader._buffer:  # (answered already)
+                break
+            try:
+                writer.write(body[i:i + step])
+                await writer.drain()
+            except ConnectionResetError:
+                break
+            await asyncio.sleep(pause)
+        status = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        return status, n
+
+    # ~3 KB over 1.2 s: at 2.5 KB/s, past the 0.5 s.
+    assert (await send(6, 0.2))[0].startswith(b"HTTP/1.1 200"), "an upload at the rate"
+    # A byte every 0.3 s: never idle for 0.5 s, but far below the rate: a
+    # 408 within a few bytes (not after the 20 sent, idle then).
+    status, sent = await send(len(body), 0.3)
+    assert status.startswith(b"HTTP/1.1 408") and sent < 10, (status, sent)
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()  # (gone mid-body)
+    await asyncio.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, monkeypatch):
     from mlx_lm_plus import api
 

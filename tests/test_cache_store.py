@@ -1227,7 +1227,8 @@ def test_chunked_layers_past_their_chunk_are_never_trimmed(tmp_path):
     finally:
         disk_module.trims_to_any_prefix = real
     assert store.fetch(MODEL, old[:5] + [99]).kind == "miss"
-    assert tier.find(old[:5] + [99]) is None  # (dropped: not read again)
+    assert tier.find(old[:5] + [99]) is None  # (not offered trimmed again)
+    assert tier.find(old + [99])[0] == 20  # (still exact for its own key)
     # Within its chunk it still holds every token: trimmed like plain KV.
     store.insert(MODEL, [7] * 6, [chunked(6, 8), kv(6)])
     found = store.fetch(MODEL, [7] * 3 + [99])
