@@ -727,8 +727,8 @@ class PromptStore:
         with self._lock:
             # (One entry up to half the budget when none is held: its read
             # would otherwise stall every stream on the generation thread.
-            # What it evicts goes to disk, this tier, not away; bounded, for
-            # a client that may go away.)
+            # Held, it evicts from memory what its fetch would; bounded, for
+            # a client that may go away before its fetch.)
             room = (self.max_bytes is None
                     or self.read_ahead_bytes + handle.nbytes <= self.max_bytes // 4
                     or (not self.read_ahead_bytes and handle.nbytes <= self.max_bytes // 2))
