@@ -133,7 +133,7 @@ class Server:
         self.model_provider = model_provider
         self.system_fingerprint = system_fingerprint
         # Completions accepted and not yet answered (the event loop's own
-        # count), less those whose bodies are still coming (`reading`).
+        # count), once their bodies are in; `reading`: those still coming.
         self.in_flight = 0
         self.reading = 0
         self.receiving_bytes = 0  # (of bodies being read or parsed)
@@ -426,11 +426,9 @@ class Server:
         if request.headers.get("Content-Length") is None:
             raise RequestError("Content-Length header is required", 411)
         limit = getattr(self.cli_args, "max_request_bytes", None)
-        too_large = RequestError(
-            f"Request body is larger than {limit} bytes (--max-request-bytes)", 413
-        )
         if limit is not None and (request.content_length or 0) > limit:
-            raise too_large
+            raise RequestError(
+                f"Request body is larger than {limit} bytes (--max-request-bytes)", 413)
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             # Bodies are not decompressed (aiohttp's auto_decompress is off, as
@@ -477,11 +475,10 @@ class Server:
                 if self.receiving_bytes > bound:
                     raise RequestError(f"Server busy: {self.receiving_bytes >> 20} MiB of "
                                        "request bodies being received", 503)
-        except (web.HTTPException, web.RequestPayloadError) as e:
+        except BaseException as e:  # (408, 503, 400 above; the client going away)
             self.receiving_bytes -= len(raw)
-            raise RequestError(f"Could not read the request body: {e}", 400) from e
-        except BaseException:  # (408, 503, 400 above; the client going away)
-            self.receiving_bytes -= len(raw)
+            if isinstance(e, (web.HTTPException, web.RequestPayloadError)):
+                raise RequestError(f"Could not read the request body: {e}", 400) from e
             raise
         return raw
 
@@ -602,11 +599,25 @@ class Server:
             elif self.in_flight >= self.max_in_flight:
                 response = self._busy(request)
             else:
-                self.in_flight += 1
+                # Its place is taken once its body is in: clients that open
+                # requests and never send their bodies hold none (else a few
+                # hundred of them would turn every real request away).
+                self.reading += 1
                 try:
-                    response = await self._handle_completion(request, track, protocol)
+                    body = await self._read_body(request)
+                except RequestError as e:
+                    body, response = None, self.error(request, str(e), e.status)
                 finally:
-                    self.in_flight -= 1
+                    self.reading -= 1
+                if response is None and self.in_flight >= self.max_in_flight:
+                    response = self._busy(request)  # (others came in meanwhile)
+                elif response is None:
+                    self.in_flight += 1
+                    try:
+                        response = await self._handle_completion(request, body, track,
+                                                                 protocol)
+                    finally:
+                        self.in_flight -= 1
             return response
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler).
@@ -626,22 +637,10 @@ class Server:
         return self.unavailable(request, f"Server busy: {self.in_flight} requests in flight "
                                          "(--decode-concurrency + --max-queued-requests)")
 
-    async def _handle_completion(self, request: web.Request, track: "_Tracker",
+    async def _handle_completion(self, request: web.Request, body, track: "_Tracker",
                                  protocol: Optional[WireProtocol] = None):
         provider = self.model_provider
         try:
-            # Not counted in flight while its body comes: clients that open
-            # requests and never send their bodies hold no place (else a few
-            # hundred of them would turn every real request away).
-            self.in_flight -= 1
-            self.reading += 1
-            try:
-                body = await self._read_body(request)
-            finally:
-                self.reading -= 1
-                self.in_flight += 1
-            if self.in_flight > self.max_in_flight:  # (others came in meanwhile)
-                return self._busy(request)
             name = body.get("model") if isinstance(body, dict) else None
             if protocol is not None and not provider.is_served(
                     ModelDescription(str(name), "default_model", None)):
