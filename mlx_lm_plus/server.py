@@ -12,7 +12,18 @@ import logging
 import os
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.utils import _parse_size
+from mlx_lm.utils import _parse_size as _upstream_parse_size
+
+def _parse_size(text):
+    """mlx-lm's byte sizes ("512M", "2GB", "1000000"), with a usage error
+    where it raises a KeyError ("1TB") or decimal.InvalidOperation ("-5"),
+    which argparse lets out as a traceback."""
+    try:
+        return _upstream_parse_size(text)
+    except (KeyError, ArithmeticError):
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: a number of bytes, or of M, MB, G or GB")
+
 
 # Flags mlx_lm.server does not have. Documented in the README.
 OUR_FLAGS = (

@@ -107,3 +107,17 @@ def test_model_repeated_serves_each_first_is_default(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert "ttl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prompt-cache-bytes", "--prompt-cache-disk-bytes"])
+@pytest.mark.parametrize("size", ["200KB", "1TB", "-5", "lots"])
+def test_a_size_mlx_lm_cannot_read_is_a_usage_error(flag, size, capsys):
+    """mlx-lm's _parse_size raises KeyError or InvalidOperation, which
+    argparse lets out as a traceback (upstream too): a usage error here."""
+    argv = [flag, size] + (["--prompt-cache-dir", "/nonexistent"] if "disk" in flag else [])
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: invalid size '{size}'" in err and "Traceback" not in err
+    assert parse_args([flag, "512M"] + argv[2:]).__dict__[flag[2:].replace("-", "_")] == 512 * 10**6
