@@ -1327,8 +1327,14 @@ class PromptStore:
             self._drop_read_ahead(lambda r: True)
             for entry in list(self._entries):
                 self._remove(entry, reason="cleared")
-            for tier in dict.fromkeys(self._disks.values()):
-                self.stats["cleared_on_disk"] += tier.clear()
+            # No lookup finds a disk entry from now on...
+            cleared = [(tier, tier.clear_index()) for tier in dict.fromkeys(self._disks.values())]
+            for _, names in cleared:
+                self.stats["cleared_on_disk"] += len(names)
+        # ...and their files go with the store's lock released: the
+        # generation thread takes it for every fetch and insert.
+        for tier, names in cleared:
+            tier.remove_files(names)
 
     # -- the disk tier --
 
@@ -1369,14 +1375,28 @@ class PromptStore:
         key already on disk is only touched), wait for the writes and close
         the tiers, all within about `timeout` seconds. Run on the generation
         thread once it stops serving. Returns the entries handed over; logs
-        errors, never raises."""
+        errors, never raises.
+
+        On disk every entry is whole (its path's KV too): an inner
+        checkpoint of a conversation costs about as much as its leaf. So the
+        leaves (one per conversation) go first, then inner checkpoints, and
+        only what fits each tier's budget: more would make the tier evict
+        files this save just wrote, whole conversations with them."""
         deadline = time.monotonic() + max(0.0, timeout)
         self._spill()
         with self._lock:
-            order = sorted(self._entries.items(), key=lambda em: -em[0].last_used)
-            jobs = [(self._disks[m], list(e.key), self._whole(e), e.kind,
-                     e.nbytes + self._path_bytes(e), self._wall_time(e.last_used))
-                    for e, m in order if m in self._disks]
+            order = sorted(self._entries.items(),
+                           key=lambda em: (not self._is_leaf(em[0].node), -em[0].last_used))
+            room = {id(t): t.max_bytes for t in self._disks.values()}
+            jobs = []
+            for e, m in order:
+                tier = self._disks.get(m)
+                nbytes = e.nbytes + self._path_bytes(e) + 8 * e.ntokens  # (+ its key)
+                if tier is None or nbytes > room[id(tier)]:
+                    continue
+                room[id(tier)] -= nbytes
+                jobs.append((tier, list(e.key), self._whole(e), e.kind, nbytes,
+                             self._wall_time(e.last_used)))
             tiers = list(dict.fromkeys(self._disks.values()))
         saved = 0
         for tier, key, cache, kind, nbytes, last_used in jobs:

@@ -502,12 +502,15 @@ class DiskTier:
         self._idle = threading.Condition(self._lock)
         self._touched: Dict[str, float] = {}  # name -> last_used, for SQLite
         self._deleted: set = set()  # rows to delete (load found them bad)
+        # Names whose files are being removed with the lock released: not
+        # written again until they are gone (a new file would be removed).
+        self._unlinking: set = set()
         self._full_until = 0.0
         self._stopping = False
         self._epoch = 0  # clears so far: a write queued before one is dropped
         self.stats = dict.fromkeys(
             ("hits", "misses", "writes", "write_errors", "dropped_writes",
-             "corrupt", "evictions", "unsupported"), 0)
+             "corrupt", "read_errors", "evictions", "unsupported"), 0)
         self._queue: "queue.Queue" = queue.Queue()
         self._db = None
         self._lockfile = None
@@ -750,6 +753,15 @@ class DiskTier:
         try:
             cache = self._read(handle, path)
         except Exception as e:
+            if not _damaged(e):
+                # Out of memory or file descriptors, an I/O error: the moment
+                # failed, not the file. A miss now; the file stays for later.
+                with self._lock:
+                    if count:
+                        self.stats["misses"] += 1
+                    self.stats["read_errors"] += 1
+                logging.warning(f"Prompt cache on disk: could not read {path} now: {e!r}")
+                return None
             with self._lock:
                 if count:  # (a read ahead's fetch counts its own miss)
                     self.stats["misses"] += 1
@@ -839,7 +851,7 @@ class DiskTier:
                 entry.last_used = self._touched[name] = max(
                     entry.last_used, last_used or time.time())
                 return
-            if name in self._pending:
+            if name in self._pending or name in self._unlinking:
                 return
             # Before the copy below, which costs the caller (the generation
             # thread) as much as the write would have: a full queue drops it.
@@ -866,7 +878,8 @@ class DiskTier:
         nbytes = sum(v.nbytes for _, v in views)
         job = _Write(name, tokens, tensors, metadata, nbytes, trimmable, kind, epoch, last_used)
         with self._lock:
-            if name in self._pending or name in self._entries or epoch != self._epoch:
+            if (name in self._pending or name in self._entries or name in self._unlinking
+                    or epoch != self._epoch):
                 return
             if nbytes > self.max_bytes or (
                     self._jobs and self._queued_bytes + nbytes > self.max_queue_bytes):
@@ -878,19 +891,43 @@ class DiskTier:
         self._queue.put(job)
 
     def clear(self) -> int:
-        """Drop every entry (DELETE /v1/cache): the files now, their rows
-        when the writer next syncs the index (at startup otherwise: rows
-        without a file go). Writes queued or under way are dropped too (the
-        writer sees the clear: `_epoch`). Returns the entries dropped."""
+        """Drop every entry (DELETE /v1/cache). Returns the entries dropped."""
+        names = self.clear_index()
+        self.remove_files(names)
+        return len(names)
+
+    def clear_index(self) -> List[str]:
+        """Drop every entry from the index (no lookup finds them from now
+        on), their rows when the writer next syncs it; writes queued or
+        under way are dropped too (the writer sees the clear: `_epoch`).
+        Returns the names whose files `remove_files` must then remove."""
         with self._lock:
             self._epoch += 1
-            entries = list(self._entries.values())
-            for entry in entries:
-                _unlink(self._file(entry.name))
-                self._remove(entry)
-                self._touched.pop(entry.name, None)
-                self._deleted.add(entry.name)
-        return len(entries)
+            names = list(self._entries)
+            self._forget(names)
+        return names
+
+    def _forget(self, names: List[str]):
+        """Take entries out of the index, their files to remove (callers
+        hold the lock)."""
+        for name in names:
+            self._remove(self._entries[name])
+            self._touched.pop(name, None)
+            self._deleted.add(name)
+            self._unlinking.add(name)
+
+    def remove_files(self, names: List[str]):
+        """Remove the files of entries taken out of the index, with the lock
+        released: a file takes a millisecond or more (thousands of them held
+        every lookup, and the generation thread behind it, for seconds).
+        (At startup a file without its row is removed: a crash here leaves
+        none behind.)"""
+        try:
+            for name in names:
+                _unlink(self._file(name))
+        finally:
+            with self._lock:
+                self._unlinking.difference_update(names)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the queued writes are done; False on timeout."""
@@ -1026,10 +1063,10 @@ class DiskTier:
                     break
                 over -= entry.nbytes
                 victims.append(entry.name)
-                _unlink(self._file(entry.name))
-                self._remove(entry)
-                self._touched.pop(entry.name, None)
+            self._forget(victims)
+            self._deleted.difference_update(victims)  # (deleted below)
             self.stats["evictions"] += len(victims)
+        self.remove_files(victims)
         with self._db:
             self._db.executemany("DELETE FROM entries WHERE name = ?",
                                  [(n,) for n in victims])
@@ -1046,6 +1083,15 @@ class DiskTier:
                                  [(t, n) for n, t in touched.items()])
             self._db.executemany("DELETE FROM entries WHERE name = ?",
                                  [(n,) for n in deleted])
+
+
+def _damaged(error: Exception) -> bool:
+    """Whether a read failed because of the file (torn, corrupt, replaced by
+    a link, gone: _read's ValueErrors, a header that doesn't parse) rather
+    than the moment (memory, file descriptors, an I/O error)."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR)
+    return isinstance(error, (ValueError, KeyError, IndexError, TypeError, struct.error))
 
 
 def _unlink(path: str):

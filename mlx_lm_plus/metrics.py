@@ -136,6 +136,9 @@ class _LiveCollector:
                      "dropped_writes"),
                     (CounterMetricFamily, "cache_disk_corrupt",
                      "Prompt cache files found unreadable and deleted", "corrupt"),
+                    (CounterMetricFamily, "cache_disk_read_errors",
+                     "Prompt cache file reads that failed for the moment (memory, "
+                     "file descriptors, I/O); the file is kept", "read_errors"),
                     (CounterMetricFamily, "cache_disk_evictions",
                      "Prompt cache files evicted for --prompt-cache-disk-bytes", "evictions"),
                     (GaugeMetricFamily, "cache_disk_budget_bytes",

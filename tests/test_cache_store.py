@@ -1182,10 +1182,54 @@ def test_save_to_disk_with_less_room_on_disk_keeps_the_most_recent(tmp_path):
     for i in range(6):  # conversation i last used at time i
         now[0] = float(i)
         store.insert(MODEL, [1000 + i] + list(range(19)), [real_kv(20, seed=i)])
-    assert store.save_to_disk(timeout=30) == 6
+    assert store.save_to_disk(timeout=30) == 3  # (what fits)
     tier = DiskTier(str(tmp_path / "disk"), int(one * 3.5), "m")  # restarted
     kept = [i for i in range(6) if tier.find([1000 + i] + list(range(20)))]
     assert kept == [3, 4, 5]
+    tier.close()
+
+
+def test_save_to_disk_keeps_every_conversation_before_inner_checkpoints(tmp_path):
+    """On disk every entry is whole: a hybrid conversation's inner
+    checkpoints (its message boundaries) cost about as much as its leaf.
+    Saved all by recency, four conversations with half the disk that takes
+    came back as the newest one's checkpoints: the tier evicted the others'
+    leaves as the save went on. Leaves go first, and only what fits."""
+    now = [0.0]
+
+    def state(n, seed):
+        a = ArraysCache(1)
+        a[0] = mx.full((1, 64), float(seed * 1000 + n))
+        return [a, real_kv(n, seed=seed)]
+
+    def conversation(c):
+        return [2000 + c] + list(range(1, 60))
+
+    store = PromptStore(max_bytes=1 << 30, clock=lambda: now[0])
+    for c in range(4):
+        key = conversation(c)
+        for n in (20, 40):  # message boundaries, then the reply's end
+            now[0] += 1
+            store.insert(MODEL, key[:n], state(n, c), kind="checkpoint")
+        now[0] += 1
+        store.insert(MODEL, key, state(len(key), c))
+    assert len(store) == 12
+    probe = DiskTier(str(tmp_path / "probe"), 1 << 30, "m")
+    for c in range(4):  # (what the leaves take on disk; fetching them would make them newest)
+        probe.put(conversation(c), state(len(conversation(c)), c))
+    assert probe.flush(10)
+    leaves = probe.snapshot()["bytes"]
+    probe.close()
+    tier = DiskTier(str(tmp_path / "disk"), int(leaves * 1.3), "m")
+    store.attach_disk(MODEL, tier)
+    assert store.save_to_disk(timeout=30) >= 4
+    tier = DiskTier(str(tmp_path / "disk"), int(leaves * 1.3), "m")  # restarted
+    for c in range(4):
+        covered, handle = tier.find(conversation(c) + [7])
+        assert covered == len(conversation(c))
+        assert arrays_of(tier.load(handle)) == arrays_of(
+            store.fetch(MODEL, conversation(c) + [7]).cache)
+    assert tier.snapshot()["evictions"] == 0
     tier.close()
 
 

@@ -345,6 +345,49 @@ def test_corrupt_or_missing_file_is_a_miss(tier_dir, damage):
     t.close()
 
 
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[malloc] Unable to allocate 1073741824 bytes"),
+    MemoryError(),
+    OSError(errno.EMFILE, "Too many open files"),
+    OSError(errno.EIO, "Input/output error"),
+])
+def test_a_read_that_fails_for_the_moment_keeps_the_file(tier_dir, monkeypatch, failure):
+    """Out of memory or descriptors, an I/O error: the moment failed, not the
+    file. A miss, counted as a read error; the entry stays and serves the
+    next read (it used to be deleted and counted corrupt, under the load
+    that made the read fail)."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    real = disk_cache.mx.load
+
+    def fail(*a, **kw):
+        raise failure
+
+    monkeypatch.setattr(disk_cache.mx, "load", fail)
+    assert t.load(t.find([1, 2, 3, 4])[1]) is None
+    snap = t.snapshot()
+    assert (snap["corrupt"], snap["read_errors"], snap["misses"], snap["entries"]) == (0, 1, 1, 1)
+    assert len(files(t, "*.safetensors")) == 1
+    monkeypatch.setattr(disk_cache.mx, "load", real)
+    assert flat(t.load(t.find([1, 2, 3, 4])[1])) == flat([kv(3)])
+    t.close()
+
+
+def test_a_link_in_place_of_a_file_is_removed(tier_dir, tmp_path):
+    """O_NOFOLLOW refuses a link (ELOOP): the file's fault, not the moment's."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    (name,) = files(t, "*.safetensors")
+    path = os.path.join(t.path, name)
+    target = tmp_path / "elsewhere"
+    os.replace(path, target)
+    os.symlink(target, path)
+    assert t.load(t.find([1, 2, 3, 4])[1]) is None
+    assert not os.path.lexists(path) and target.exists()
+    assert t.snapshot()["corrupt"] == 1 and t.find([1, 2, 3, 4]) is None
+    t.close()
+
+
 def test_startup_cleans_strays(tier_dir):
     t = make_tier(tier_dir)
     for k in ([1], [2], [3], [4]):
@@ -764,6 +807,81 @@ def test_clear_while_a_put_copies_drops_that_write(tier_dir, monkeypatch):
     monkeypatch.setattr(disk_cache, "_host_views", real)
     stored(t, [1, 2, 3], [kv(3)])  # a later put is written
     assert t.snapshot()["entries"] == 1
+    t.close()
+
+
+def _unlinks_watched(monkeypatch, *locks):
+    """disk_cache._unlink, noting for each file removed whether `locks` were
+    free meanwhile (a lock held would stall every lookup behind it)."""
+    real, seen = disk_cache._unlink, []
+
+    def watched(path):
+        free = [lock.acquire(blocking=False) for lock in locks]
+        for lock, took in zip(locks, free):
+            if took:
+                lock.release()
+        seen.append(all(free))
+        real(path)
+
+    monkeypatch.setattr(disk_cache, "_unlink", watched)
+    return seen
+
+
+def test_clear_removes_files_with_the_locks_released(tier_dir, tmp_path, monkeypatch):
+    """DELETE /v1/cache with thousands of files took seconds of deletions
+    under the tier's lock (inside the store's): every fetch and insert of
+    the generation thread waited, and running streams froze."""
+    from mlx_lm_plus.cache import PromptStore
+
+    store = PromptStore(max_bytes=1 << 30)
+    t = make_tier(tier_dir)
+    store.attach_disk("m", t)
+    for i in range(3):
+        stored(t, [i + 1, 7, 7], [kv(3)])
+    seen = _unlinks_watched(monkeypatch, t._lock, store._lock)
+    store.clear()
+    assert seen == [True, True, True]
+    assert t.snapshot()["entries"] == 0 and not files(t, "*.safetensors")
+    assert store.stats["cleared_on_disk"] == 3
+    t.close()
+
+
+def test_eviction_removes_files_with_the_lock_released(tier_dir, monkeypatch):
+    probe = make_tier(tier_dir, identity="probe")
+    stored(probe, [0, 0], [kv(4)])
+    size = probe.snapshot()["bytes"]
+    probe.close()
+    t = make_tier(tier_dir, max_bytes=2 * size + size // 2)
+    stored(t, [1, 1], [kv(4)])
+    stored(t, [2, 2], [kv(4)])
+    seen = _unlinks_watched(monkeypatch, t._lock)
+    stored(t, [3, 3], [kv(4)])  # evicts [1, 1] on the writer thread
+    assert seen == [True] and t.snapshot()["evictions"] == 1
+    assert t.find([1, 1, 0]) is None and len(files(t, "*.safetensors")) == 2
+    t.close()
+
+
+def test_a_key_written_again_while_its_file_is_removed_is_not_lost(tier_dir, monkeypatch):
+    """Files go with the lock released: a put of the same key meanwhile must
+    not be written (and indexed) before the old file's removal, which would
+    then remove the new file under its index row."""
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], [kv(3)])
+    real = disk_cache._unlink
+
+    def put_meanwhile(path):
+        t.put([1, 2, 3], [kv(3)], "prompt")
+        assert t.flush(10)
+        real(path)
+
+    monkeypatch.setattr(disk_cache, "_unlink", put_meanwhile)
+    t.clear()
+    monkeypatch.setattr(disk_cache, "_unlink", real)
+    found = t.find([1, 2, 3, 4])
+    assert found is None or t.load(found[1]) is not None
+    assert t.snapshot()["corrupt"] == 0
+    stored(t, [1, 2, 3], [kv(3)])  # once removed, the key is written again
+    assert t.load(t.find([1, 2, 3, 4])[1]) is not None
     t.close()
 
 
