@@ -171,7 +171,7 @@ EXCEPTIONS = {
     "image_to_text_model": "upstream: 404 'Only 'text' content type is supported.'; "
     "ours: the same message with 400 (it is a bad request, not a missing model)",
     "fatal_top_k_over_vocab": "upstream: top_k larger than the vocabulary kills the "
-    "generation thread; ours: 400 'top_k must be at most <vocab size>'",
+    "generation thread; ours: 400 'top_k must be less than <vocab size>'",
     "fatal_stop_ints": "upstream: the generation thread dies on non-string stop words "
     "and every later request fails; ours: 400 'stop must be a string or a list of strings'",
     "fatal_empty_prompt": "upstream: the generation thread dies on an empty prompt; "

@@ -59,6 +59,7 @@ from mlx_lm.generate import (
     BatchGenerator,
     make_stop_sequences,
     make_text_state_machine,
+    maybe_quantize_kv_cache,
     stream_generate,
 )
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -1076,7 +1077,7 @@ class Engine:
             step = self.cli_args.prefill_step_size
             progress = self._prefill_progress(channel, cache)
             if between_chunks is not None:
-                step = prefill_chunk(step, self._decoding())
+                step = prefill_chunk(step, self.decoding())
 
                 def progress(done, total, own=progress):
                     between_chunks()
@@ -1097,6 +1098,8 @@ class Engine:
             self._beat("a prefill chunk")
             if self._gone(channel):
                 raise _Cancelled(done)
+            if self._stopping():
+                raise EngineUnavailable("server shutting down")
             channel.put((done, total))
             self._tick()
             self.store.trim_to(self.store.max_bytes - cache_nbytes(cache))
@@ -1174,7 +1177,12 @@ class Engine:
             for c in cache:
                 c.trim(c.offset - held)
             key = key[:held]
-        self.store.insert(lm.key, key, cache, kind, reply_start=reply_start)
+        try:
+            self.store.insert(lm.key, key, cache, kind, reply_start=reply_start)
+        except Exception:  # (out of memory): only this entry is lost
+            if self._is_distributed:
+                raise
+            logging.exception(f"Could not store a {kind} entry of {len(key)} tokens")
 
     def _per_model(self, lm, what: str, compute):
         """`compute()` once for model `lm` (a fact of the model that never
@@ -1285,8 +1293,27 @@ class Engine:
             # Their wait is over: first in line again.
             self._pending[:0] = batch.take_unparked()
 
-    def _decoding(self) -> bool:
+    def decoding(self) -> bool:
+        """Whether a request of any model is past its prompt (a prompt chunk
+        of one model's batch stalls the streams of the others too)."""
         return any(b.decoding for b in self._batches.values())
+
+    def _stopping(self) -> bool:
+        """Whether a stop (SIGTERM) cuts short the request served one at a
+        time: as the batch's are, once the shutdown timeout is over. (Under
+        mx.distributed the ranks stop together, at the loop's turn.)"""
+        return self._stop and not self._is_distributed
+
+    def reset_random_state(self):
+        """A fresh MLX random state after a failure: mlx-lm's samplers are
+        compiled with the random state as input and output, and one that
+        raises while it is traced (apply_top_k on a top_k it can't take)
+        leaves that state a placeholder, and every sampled request after it
+        failed ("eval an array without a primitive"). Not under
+        mx.distributed, whose ranks must draw alike (a failure there ends
+        the group anyway)."""
+        if not self._is_distributed:
+            mx.random.seed(time.time_ns() & (2**63 - 1))
 
     def _any_active(self) -> bool:
         return any(b.active for b in self._batches.values())
@@ -1756,6 +1783,7 @@ class Engine:
                     lm, channel, plan, ctx, args, stream, sampler, logits_processors)
 
             stop_matcher = stop_sequences.matcher()
+            cut_short = None  # the engine stopping cuts it short: its error
             seconds = self.thread_seconds
             seconds["admission"] += time.perf_counter() - tic
             tic = time.perf_counter()
@@ -1794,16 +1822,24 @@ class Engine:
                     logging.info(f"Stopped a cancelled request at step {self.steps}")
                 if gone or finish_reason is not None:
                     break
+                if self._stopping():
+                    cut_short = EngineUnavailable("server shutting down")
+                    break
             if channel.cancelled:
                 channel.removed()
             # Stored before the answer ends, so that a follow-up sent the
             # moment it ends finds it.
             if not through_mlx_vlm:  # (nothing of that path is stored)
                 self._store(lm, cache_key, cache, "generated", reply_start=len(plan.tokens))
+            if cut_short is not None:
+                channel.put(cut_short)
+                return
             if constraint is not None and constraint.error is not None:
                 channel.put(InternalError(f"Structured output failed: {constraint.error}"))
             channel.put(None)
             self.log_store()
+        except EngineUnavailable as e:  # (stopping during its prefill)
+            channel.put(e)
         except _Cancelled as stopped:
             channel.removed()
             after = ""
@@ -1818,6 +1854,7 @@ class Engine:
                 raise  # (the admission guard answers it; _run ends the group)
             logging.exception("Sequential generation failed")
             error = request_error(e, "generating")
+            self.reset_random_state()
             if isinstance(error, OutOfMemory):
                 cache = None
                 self.relieve_memory()
@@ -1920,10 +1957,15 @@ class Engine:
             last = segments.pop()
             segments += [last[:-1], last[-1:]]
         done, total = cached, len(plan.tokens)
-        step = self.cli_args.prefill_step_size
+        args = self.cli_args
+        step = args.prefill_step_size
         for segment, kind in zip(segments[:-1], kinds):
             for i in range(0, len(segment), step):
                 model(mx.array(segment[i : i + step])[None], cache=cache)
+                # --kv-bits: as generate_step's prefill does after each chunk
+                # (the checkpoints stored quantized, the memory bounded).
+                maybe_quantize_kv_cache(cache, args.quantized_kv_start, args.kv_group_size,
+                                        args.kv_bits)
                 mx.eval([c.state for c in cache])
                 progress(done + min(i + step, len(segment)), total)
             done += len(segment)
@@ -1981,7 +2023,7 @@ class _Batch:
     def __init__(self, engine: Engine, lm, stream):
         # What it uses of the engine: store, cli_args, the counters (steps,
         # tokens_out, thread_seconds), share_object, observe, log_store,
-        # relieve_memory and in_flight_nbytes.
+        # relieve_memory, in_flight_nbytes, decoding and reset_random_state.
         self.engine = engine
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -2123,6 +2165,13 @@ class _Batch:
     def _remove_stopped(self):
         """Clients that went away leave the batch wherever they are."""
         engine = self.engine
+        if not engine._is_distributed:  # (there, rank 0 alone sees a client go)
+            # Parked behind another request's checkpoint: let go now (the
+            # engine's admission drops it), not once that checkpoint is in.
+            gone = [p for p in self._parked if p[2][0].cancelled]
+            if gone:
+                self._parked = [p for p in self._parked if not p[2][0].cancelled]
+                self._unparked += [p[2] for p in gone]
         stopped = [
             uid
             for uid, r in self.results.items()
@@ -2140,14 +2189,8 @@ class _Batch:
         for uid in stopped:
             if uid in decoding:
                 cache, tokens = kept[uid]
-                try:
-                    engine.store.insert(self.model_key, self._key(uid, tokens), cache,
-                                        "generated", reply_start=self._reply_start(uid))
-                except Exception:
-                    if engine._is_distributed:
-                        raise  # (a batch step's error: the whole group ends)
-                    # Only this cancelled request's entry is lost.
-                    logging.exception("Could not store a cancelled request's cache")
+                self._insert(self._key(uid, tokens), cache, "generated",
+                             reply_start=self._reply_start(uid))
             result = self.results.pop(uid, None)
             self._unpark(uid)
             if result is None:
@@ -2183,7 +2226,7 @@ class _Batch:
         self._decode_only = max(0, self._decode_only - 1)
         self._decode_only_run = self._decode_only_run + 1 if decode_only else 0
         self.generator.prefill_step_size = 0 if decode_only else prefill_chunk(
-            engine.cli_args.prefill_step_size, self.decoding)
+            engine.cli_args.prefill_step_size, engine.decoding())
         tic = time.perf_counter()
         prompt_responses, gen_responses = self.generator.next()
         engine.thread_seconds["model"] += time.perf_counter() - tic
@@ -2213,7 +2256,7 @@ class _Batch:
         for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
             result = self.results[uid]
             kind = result["segment_types"].pop()
-            engine.store.insert(self.model_key, self._key(uid, tokens), cache, kind)
+            self._insert(self._key(uid, tokens), cache, kind)
             result["ends"] = [e for e in result["ends"] if e > len(tokens)]
             self._unpark(uid, len(tokens))
 
@@ -2238,9 +2281,8 @@ class _Batch:
             if r.finish_reason is not None:
                 # Stored before the answer ends, so that a follow-up sent the
                 # moment it ends finds it.
-                engine.store.insert(self.model_key, self._key(r.uid, r.all_tokens),
-                                    r.prompt_cache, "generated",
-                                    reply_start=self._reply_start(r.uid))
+                self._insert(self._key(r.uid, r.all_tokens), r.prompt_cache, "generated",
+                             reply_start=self._reply_start(r.uid))
                 constraint = result["constraint"]
                 if constraint is not None and constraint.error is not None:
                     self._outbox.append((result["channel"], InternalError(
@@ -2250,6 +2292,17 @@ class _Batch:
                 del self.results[r.uid]
                 self._unpark(r.uid)
         return True
+
+    def _insert(self, key, cache, kind, reply_start=0):
+        """Store a request's cache; a failure (out of memory) loses only
+        that entry: the request, whose tokens went out, ends as it would
+        have, and the batch goes on."""
+        try:
+            self.engine.store.insert(self.model_key, key, cache, kind, reply_start=reply_start)
+        except Exception:
+            if self.engine._is_distributed:
+                raise  # (a batch step's error: the whole group ends)
+            logging.exception(f"Could not store a {kind} entry of {len(key)} tokens")
 
     def will_store(self, key, position: int) -> bool:
         """Whether a request of this batch is about to store a checkpoint at
@@ -2324,6 +2377,7 @@ class _Batch:
         """A step raised: fail the requests in flight and start a fresh batch."""
         logging.exception(f"Batch step failed, failing {len(self.results)} requests")
         error = request_error(error, "generating")
+        self.engine.reset_random_state()
         for result in self.results.values():
             result["channel"].put(error)
         self.results.clear()

@@ -231,8 +231,10 @@ def check_vocab(top_k, logit_bias, vocab_size: int) -> None:
     of range is written out of bounds (MLX does not check). Here before the
     request is queued when its model is loaded, else by the engine once it
     is."""
-    if top_k > vocab_size:
-        raise RequestError(f"top_k must be at most {vocab_size}")
+    # (Upstream's apply_top_k takes 0 < top_k < vocab_size, and raises inside
+    # a compiled function that leaves MLX's random state broken.)
+    if top_k >= vocab_size:
+        raise RequestError(f"top_k must be less than {vocab_size}")
     if logit_bias:
         bad = [t for t in logit_bias if not 0 <= t < vocab_size]
         if bad:

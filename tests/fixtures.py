@@ -31,6 +31,9 @@ from pathlib import Path
 FIXTURE_KINDS = ("qwen3", "llama", "qwen3_5", "mamba2", "gemma3_text")
 # Larger random models for benchmarks only (not sensitivity-tuned).
 BENCHMARK_KINDS = ("qwen3_mid", "qwen3_kv")
+# A hybrid whose attention has the head dim MLX's KV quantization takes (64):
+# --kv-bits on a model that stores checkpoints.
+KV_BITS_KINDS = ("qwen3_kv", "qwen3_5_kv")
 # Models mlx-lm can pipeline (`--pipeline` across ranks): attention, and a
 # hybrid whose two layers split into a rank of attention alone and a rank of
 # the recurrent layer alone (their caches differ in kind: trimmable or not).
@@ -188,10 +191,12 @@ def _config(kind: str, vocab: int) -> dict:
             rope_local_base_freq=10000.0,
             **attn,
         )
-    if kind in ("qwen3_5", "qwen3_5_split"):
+    if kind in ("qwen3_5", "qwen3_5_split", "qwen3_5_kv"):
+        if kind == "qwen3_5_kv":
+            attn = dict(attn, head_dim=64)
         return dict(
             model_type="qwen3_5",
-            num_hidden_layers=4 if kind == "qwen3_5" else 2,
+            num_hidden_layers=2 if kind == "qwen3_5_split" else 4,
             full_attention_interval=2,
             linear_num_value_heads=4,
             linear_num_key_heads=2,
