@@ -582,6 +582,8 @@ class Server:
         engine checks once it is loaded)."""
         desc = ModelDescription(name if isinstance(name, str) else "default_model",
                                 "default_model", None)
+        if not self.model_provider.is_served(desc):
+            return None  # (a 404 follows: no file a client names is read)
         return self.model_provider.vocab_size(self.model_provider.key_for(desc))
 
     async def handle_completion(self, request: web.Request,
@@ -880,7 +882,8 @@ class Server:
         return self.json_response(request, resp)
 
     async def _open_stream(self, request) -> web.StreamResponse:
-        response = web.StreamResponse(
+        response = _StreamResponse(
+            request.transport,
             status=200,
             headers={
                 "Content-Type": "text/event-stream",
@@ -980,6 +983,36 @@ def _sse(obj) -> bytes:
 def _keepalive(progress) -> bytes:
     """The SSE comment sent for (done, total) prefill progress."""
     return f": keepalive {progress[0]}/{progress[1]}\n\n".encode()
+
+
+# A stream's write that waits this long for a client reading nothing gives
+# up (and drops the connection): aiohttp has no write timeout.
+WRITE_TIMEOUT = 60.0
+
+
+class _StreamResponse(web.StreamResponse):
+    """An SSE stream whose writes give up on a client that stops reading:
+    its handler held its place in flight for good (clients with small
+    receive windows that never read, one per place, turned every request
+    away with 503s), as its request's memory."""
+
+    def __init__(self, transport, **kw):
+        super().__init__(**kw)
+        self._transport = transport
+
+    async def write(self, data) -> None:
+        transport = self._transport
+        if transport is None or not transport.get_write_buffer_size():
+            # What the socket takes at once (the usual case, no timer):
+            # aiohttp waits only once the transport's buffer is past its
+            # high-water mark.
+            return await super().write(data)
+        try:
+            await asyncio.wait_for(super().write(data), WRITE_TIMEOUT)
+        except asyncio.TimeoutError:
+            transport.abort()
+            raise ConnectionResetError(
+                f"the client read nothing for {WRITE_TIMEOUT:g} s") from None
 
 
 async def _write_all(response, pending: List[bytes]) -> None:

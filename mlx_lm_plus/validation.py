@@ -198,6 +198,9 @@ def _validate_upstream(p: Dict[str, Any]) -> None:
             raise RequestError("logit_bias values must be numbers within [-10000, 10000]")
 
 
+MAX_NAME_CHARS = 4096  # (PATH_MAX on Linux)
+
+
 def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
     """Checks upstream lacks, for values that crash its generation thread."""
     # Stricter than upstream: values its samplers can't take. Beyond these the
@@ -215,6 +218,12 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
         # Upstream never checks it; the model lookup then raises on whatever
         # thread it runs (a hang with --allow-model-loading).
         raise RequestError("draft_model must be of type str")
+    # A name is a path or a repository id: longer is no model, only bytes
+    # kept in the request history, logged and echoed in errors.
+    for field, value in (("model", p["requested_model"]),
+                         ("draft_model", p["requested_draft_model"]), ("adapters", p["adapter"])):
+        if isinstance(value, str) and len(value) > MAX_NAME_CHARS:
+            raise RequestError(f"{field} must be at most {MAX_NAME_CHARS} characters")
     options = p["stream_options"]
     if options is not None:
         if not isinstance(options, dict):

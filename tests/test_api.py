@@ -502,3 +502,45 @@ async def test_api_key_in_either_header(aiohttp_client):
                             ({"x-api-key": "\xff\xfe"}, 401)]:
         r = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert r.status == status, headers
+
+
+async def test_a_stream_write_gives_up_on_a_client_that_reads_nothing(monkeypatch):
+    """aiohttp has no write timeout: a client that never read its stream
+    held its handler, and its place in flight, for good (with
+    --max-queued-requests places, that many such clients turned every
+    request away). A write that waits WRITE_TIMEOUT drops the connection
+    and raises as a disconnect; a write the socket takes at once runs no
+    timer."""
+    import asyncio
+
+    from aiohttp import web
+
+    from mlx_lm_plus import api
+
+    class Transport:
+        buffered = 0
+        aborted = False
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def abort(self):
+            self.aborted = True
+
+    writes = []
+
+    async def write(self, data):
+        writes.append(data)
+        if Transport.buffered:
+            await asyncio.Event().wait()  # the client reads nothing
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(api, "WRITE_TIMEOUT", 0.2)
+    transport = Transport()
+    response = api._StreamResponse(transport, status=200)
+    await response.write(b"data: 1\n\n")
+    assert writes == [b"data: 1\n\n"] and not transport.aborted
+    Transport.buffered = 1 << 20
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(response.write(b"data: 2\n\n"), 5)
+    assert transport.aborted

@@ -126,6 +126,8 @@ CASES = [
         ("stop", "\ud800"), ("temperature", 2**63), ("frequency_penalty", 10**20),
         ("presence_penalty", -1e300), ("repetition_penalty", 1e-300),
         ("xtc_threshold", 1.0), ("logit_bias", {"1": 1e300}),
+        # names kept in the request history, logged and echoed: bounded
+        ("model", "m" * 5000), ("draft_model", "d" * 5000), ("adapters", "a" * 5000),
     ]],
 ]
 
@@ -169,7 +171,7 @@ MESSAGES_CASES = [
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),  # not a PNG
         message(messages=[{"role": "user", "content": [{"type": "image", "source": {
             "type": "file", "file_id": "f"}}]}]),
-        message(system=5), message(system=[{"type": "image"}]),
+        message(system=5), message(system=[{"type": "image"}]), message(model="m" * 5000),
         message(tools="all"), message(tools=[{"name": "f"}]),
         message(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
         message(tools=[{"input_schema": {}}]),
@@ -413,3 +415,14 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     with pytest.raises(RequestError, match="Too many messages and content blocks: more than 8"):
         AnthropicProtocol().parse(MESSAGES, {**body, "messages": [
             {"role": "user", "content": "hi"}], "system": texts + texts[:1]}, cli, None)
+
+
+def test_a_model_not_served_is_never_read(server, fixture_path):
+    """The vocabulary check read config.json from any path a client named,
+    before the check that the model is served: a 400 for a folder that
+    exists, a 404 for one that doesn't, told a client which paths exist."""
+    other = str(fixture_path("llama"))  # exists, not served
+    for model in (other, "/nonexistent/model"):
+        status, _, data = server.request("POST", CHAT, raw=json.dumps(
+            chat(model=model, top_k=10**6)).encode())
+        assert status == 404, data[:200]
