@@ -1511,7 +1511,17 @@ class Engine:
                 self._beat("loading the model", self._load_limit())
             else:
                 self._idle()
-            self._loaded(self.model_provider.load(key))
+            try:
+                self._loaded(self.model_provider.load(key))
+            except Exception:
+                if self.cli_args.model is not None or self._is_distributed:
+                    raise  # (--model: as upstream, the server has no model)
+                # The first of --models-dir's folders or --models-config's
+                # entries: the others still serve, and this one's requests
+                # get its load error when they ask for it, as any other's.
+                logging.exception(f"Loading {key[0]} at the start failed; serving the "
+                                  "other models")
+                self.model_provider.forget_size(key)
         self._started = True
 
     def _fail_pending(self, key, error):

@@ -417,3 +417,20 @@ def test_an_unloaded_model_is_freed(paths):
         wait_for(lambda: weights() is None, timeout=5)
     finally:
         runner.close()
+
+
+def test_a_first_folder_that_fails_to_load_leaves_the_others_served(paths, tmp_path):
+    """--models-dir with no --model: the first folder is the default, loaded
+    at the start. One that fails to load crashed the generation loop at
+    each restart, then kept it down: every model answered 503."""
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "abroken").mkdir()  # first in order: the default
+    (root / "abroken" / "config.json").write_text("{}")
+    (root / "good").symlink_to(paths["alpha"])
+    with ServerProcess(OURS, ["--models-dir", str(root)], log=tmp_path / "server.log") as s:
+        assert s.get("/health") == (200, {"status": "ok"})
+        chat(s, body("good", "hi", max_tokens=2))
+        status, r = s.post("/v1/chat/completions", body("abroken", "hi"))
+        assert 400 <= status < 600 and status != 503 and "abroken" in r["error"], (status, r)
+        assert s.get("/health") == (200, {"status": "ok"})
