@@ -501,7 +501,7 @@ class DiskTier:
         self._jobs = 0  # queued or being written (for flush)
         self._idle = threading.Condition(self._lock)
         self._touched: Dict[str, float] = {}  # name -> last_used, for SQLite
-        self._deleted: set = set()  # rows to delete (load found them bad)
+        self._deleted: set = set()  # rows to delete (found bad, cleared, evicted)
         # Names whose files are being removed with the lock released: not
         # written again until they are gone (a new file would be removed).
         self._unlinking: set = set()
@@ -1063,13 +1063,9 @@ class DiskTier:
                     break
                 over -= entry.nbytes
                 victims.append(entry.name)
-            self._forget(victims)
-            self._deleted.difference_update(victims)  # (deleted below)
+            self._forget(victims)  # (their rows go at the next _sync_index)
             self.stats["evictions"] += len(victims)
         self.remove_files(victims)
-        with self._db:
-            self._db.executemany("DELETE FROM entries WHERE name = ?",
-                                 [(n,) for n in victims])
 
     def _sync_index(self):
         """Write the batched last-use updates and row deletions to SQLite."""
