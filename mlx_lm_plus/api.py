@@ -652,13 +652,15 @@ class Server:
             # Parsed with that model's defaults (--models-config), and its
             # vocabulary for logit_bias when it is loaded.
             cli = provider.defaults_for(name)
-            if protocol is None:
-                parsed = parse_request(request.path, body, cli, self._vocab_size(name))
-            else:
-                parsed = protocol.parse(request.path, body, cli, self._vocab_size(name))
-                if name == "default_model":
-                    parsed.args.model = ModelDescription("default_model", "default_model",
-                                                         None)
+            parse = parse_request if protocol is None else protocol.parse
+            # In an executor: parsing checks each image's header by decoding
+            # its base64 (~2 ms a MB; a Responses continuation brings the
+            # stored conversation's images too), and converts the agent
+            # protocols' whole conversations.
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                None, parse, request.path, body, cli, self._vocab_size(name))
+            if protocol is not None and name == "default_model":
+                parsed.args.model = ModelDescription("default_model", "default_model", None)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model

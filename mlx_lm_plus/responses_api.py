@@ -40,6 +40,7 @@ out).
 import copy
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -94,7 +95,8 @@ class ResponseStore:
     """Stored responses, at most `max_responses` of them and `max_bytes` of
     JSON in all (the response and its conversation, counted alone even where
     conversations share messages), each for `ttl` seconds (None: no limit);
-    the least recently used go first. Lives on the event loop: no locks."""
+    the least recently used go first. Read by request parsing in an
+    executor and written on the event loop: one lock."""
 
     def __init__(self, max_responses: int = 1000, max_bytes: int = 256 * 1024**2,
                  ttl: Optional[float] = 24 * 3600.0, clock=time.monotonic):
@@ -104,6 +106,7 @@ class ResponseStore:
         self._clock = clock
         self._entries: "OrderedDict[str, _Stored]" = OrderedDict()
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,9 +126,12 @@ class ResponseStore:
     def put(self, response: Dict[str, Any], messages: List[Dict[str, Any]]) -> bool:
         """Store a response (False: it alone is over max_bytes, or the store
         holds nothing)."""
-        size = len(json.dumps({"response": response, "messages": messages},
-                              ensure_ascii=False).encode())
-        key = response["id"]
+        size = json_size({"response": response, "messages": messages})
+        with self._lock:
+            return self._put(response["id"], _Stored(response, messages, size, self._clock()))
+
+    def _put(self, key: str, entry: _Stored) -> bool:
+        size = entry.size
         if key in self._entries:
             self._drop(key)
         if self.max_responses < 1 or size > self.max_bytes:
@@ -134,23 +140,39 @@ class ResponseStore:
         while self._entries and (len(self._entries) >= self.max_responses
                                  or self.bytes + size > self.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[key] = _Stored(response, messages, size, self._clock())
+        self._entries[key] = entry
         self.bytes += size
         return True
 
     def get(self, key: str) -> Optional[_Stored]:
-        self._expire()
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
+        with self._lock:
+            self._expire()
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
 
     def delete(self, key: str) -> bool:
-        self._expire()
-        if key not in self._entries:
-            return False
-        self._drop(key)
-        return True
+        with self._lock:
+            self._expire()
+            if key not in self._entries:
+                return False
+            self._drop(key)
+            return True
+
+
+def json_size(value: Any) -> int:
+    """The bytes of `value` as json.dumps(value, ensure_ascii=False) writes
+    it, without writing it (a conversation's data URLs run to tens of MB,
+    serialized on the event loop), escapes in strings aside."""
+    if isinstance(value, str):
+        return 2 + (len(value) if value.isascii() else len(value.encode()))
+    if isinstance(value, dict):
+        return max(2, 2 * len(value)) + sum(json_size(str(k)) + 2 + json_size(v)
+                                    for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return max(2, 2 * len(value)) + sum(json_size(v) for v in value)
+    return len(json.dumps(value))
 
 
 # -- request: items -> chat messages --

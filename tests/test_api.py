@@ -544,3 +544,75 @@ async def test_a_stream_write_gives_up_on_a_client_that_reads_nothing(monkeypatc
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(response.write(b"data: 2\n\n"), 5)
     assert transport.aborted
+
+
+async def test_images_are_checked_off_the_event_loop(aiohttp_client, aiohttp_server,
+                                                     monkeypatch):
+    """Each image's base64 is decoded to check it (~2 ms a MB): for chat
+    completions, Anthropic Messages (once more, strictly) and fetched remote
+    images, never on the event loop, where ten large images stalled every
+    stream for half a second."""
+    import base64
+    import io
+    import types
+
+    from aiohttp import web
+    from PIL import Image
+
+    from mlx_lm_plus import anthropic_api, remote_images, validation
+    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+
+    threads = []
+
+    def recording(f):
+        def wrapper(*a, **kw):
+            threads.append(threading.get_ident())
+            return f(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(validation, "base64", types.SimpleNamespace(
+        b64decode=recording(base64.b64decode)))
+    monkeypatch.setattr(anthropic_api, "base64", types.SimpleNamespace(
+        b64decode=recording(base64.b64decode)))
+    monkeypatch.setattr(remote_images, "_validate_images",
+                        recording(remote_images._validate_images))
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
+    data = base64.b64encode(out.getvalue()).decode()
+
+    async def picture(request):
+        return web.Response(body=out.getvalue(), content_type="image/png")
+
+    images = web.Application()
+    images.router.add_get("/a.png", picture)
+    host = await aiohttp_server(images)
+
+    engine = ScriptedEngine([ctx(), *tokens("ok", "")])
+    args = parse_args(["--model", "m", "--allow-remote-images",
+                       "--allow-private-image-hosts"])
+    provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
+                         key_for=lambda desc: (desc.model, desc.adapter, None),
+                         defaults_for=lambda name: args, name_for=lambda key: "m",
+                         vocab_size=lambda key: None)
+    server = Server(args, engine, provider, "fp")
+    server.add_protocol(AnthropicProtocol())
+    client = await served(aiohttp_client, make_app(server))
+    loop_thread = threading.get_ident()
+
+    def chat(url):
+        return {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]}
+
+    for path, body, calls in [
+        ("/v1/chat/completions", chat(f"data:image/png;base64,{data}"), 1),
+        ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data}}]}]}, 2),
+        # (fetched: checked alone, then with the request's other images)
+        ("/v1/chat/completions", chat(f"http://127.0.0.1:{host.port}/a.png"), 4),
+    ]:
+        threads.clear()
+        r = await client.post(path, json=body)
+        assert r.status == 200, await r.text()
+        assert len(threads) == calls and loop_thread not in threads, path

@@ -25,6 +25,7 @@ from mlx_lm_plus.responses import CompletionAssembler
 from mlx_lm_plus.responses_api import (
     ResponsesProtocol,
     ResponseStore,
+    json_size,
     output_messages,
     to_chat_body,
 )
@@ -647,6 +648,18 @@ def test_store_limits():
     now[0] = 61
     assert store.get("big") is None and len(store) == 0 and store.bytes == 0
     assert put("d") and store.delete("d") and not store.delete("d")
+
+
+def test_json_size_is_the_json_length_without_writing_it():
+    # The store counts conversations (tens of MB of data URLs) by walking
+    # them: the length json.dumps would give, escapes in strings aside.
+    values = [{}, [], "", {"a": [1, 2.5, None, True, False, {}, []]},
+              {"id": "resp_1", "output": [{"type": "message", "content": "héllo → 世界"}]},
+              [{"role": "user", "content": [{"type": "image_url",
+                                             "image_url": {"url": "data:image/png;base64," + "A" * 5000}}]}]]
+    for value in values:
+        assert json_size(value) == len(json.dumps(value, ensure_ascii=False).encode()), value
+    assert json_size("a\nb") < len(json.dumps("a\nb"))
 
 
 def test_output_messages_of_empty_output():
