@@ -78,7 +78,7 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
-from .prompt import PromptPlan, build_prompt, split_at, template_kwargs
+from .prompt import PromptPlan, build_prompt, check_prompt_size, split_at, template_kwargs
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
 from .validation import RequestError, check_vocab
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
@@ -892,6 +892,7 @@ class Engine:
     def _build_plan(self, lm, request, args) -> PromptPlan:
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
+            check_prompt_size(request, getattr(lm, "context_length", None))
             return build_prompt(lm.tokenizer, lm.processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
@@ -1009,7 +1010,7 @@ class Engine:
             and args.seed is None
             and (self.cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching", lambda: self._on_every_rank(
-                     supports_quantized_batching(lm.model))))
+                     supports_quantized_batching(lm.model, self.cli_args.kv_group_size))))
             and (_vision(lm) is not None or not (
                 request.request_type == "chat" and any(_image_parts(request.messages))))
         )

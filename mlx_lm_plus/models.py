@@ -315,6 +315,23 @@ def _mlx_lm_has(model_path) -> bool:
         return True
 
 
+def context_length(model) -> Optional[int]:
+    """How many tokens `model` takes, as its config says: the largest
+    position (max_position_embeddings, or its text model's), times its rope
+    scaling factor when it has one (a bound, not exact: Llama 3.1's already
+    counts its factor). None: the config does not say."""
+    for config in (getattr(model, "args", None), getattr(model, "config", None)):
+        for c in (config, getattr(config, "text_config", None)):
+            c = c if isinstance(c, dict) else getattr(c, "__dict__", {})
+            n = c.get("max_position_embeddings")
+            if isinstance(n, int) and n > 0:
+                scaling = c.get("rope_scaling")
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                ok = isinstance(factor, (int, float)) and math.isfinite(factor)
+                return int(n * max(1.0, factor if ok else 1.0))
+    return None
+
+
 def _vision_tower(lm) -> bool:
     return getattr(lm.processor, "vlm", None) is not None
 
@@ -343,6 +360,8 @@ class LoadedModel(UpstreamModelProvider):
         self.load_seconds = 0.0
         self.nbytes = sum(a.nbytes for a in arrays)  # (each array once: `seen`)
         self.vocab_size = self._vocab_size()
+        self.context_length = (context_length(self.model)  # (else mlx-vlm's model's)
+                               or context_length(getattr(self.processor, "vlm", None)))
 
     def _vocab_size(self) -> Optional[int]:
         """How many token ids top_k and logit_bias may use: the width of the

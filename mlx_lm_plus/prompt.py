@@ -29,6 +29,49 @@ from .vision import VisionSupport
 from .vlm_generation import MlxVlmGeneration
 
 
+# A prompt's text is bounded before it is rendered and tokenized: a fast
+# tokenizer holds ~150 bytes a character while it works (a 5 MB prompt took
+# 800 MB and 4.5 s on the fixture's tokenizer; a 100 MB body had the server
+# killed for memory), for a prompt no model could take anyway. No tokenizer
+# writes more than a few characters a token on real text; the bound is
+# generous, and where the model does not say its context, it is taken as
+# UNKNOWN_CONTEXT tokens.
+MAX_CHARS_PER_TOKEN = 16
+UNKNOWN_CONTEXT = 1 << 20
+
+
+def prompt_chars(request: CompletionRequest) -> int:
+    """Characters of the text a request's prompt is rendered from: its
+    prompt, or the strings of its messages (image parts aside) and tools."""
+    if request.request_type != "chat":
+        return len(request.prompt)
+
+    def chars(value) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, dict):
+            if value.get("type") in ("image_url", "image", "input_image"):
+                return 0
+            return sum(chars(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(chars(v) for v in value)
+        return 0
+
+    return chars(request.messages) + chars(request.tools)
+
+
+def check_prompt_size(request: CompletionRequest, context_length: Optional[int]) -> None:
+    """ValueError when the request's text is more than MAX_CHARS_PER_TOKEN
+    characters for each token of the model's context."""
+    context = context_length or UNKNOWN_CONTEXT
+    n, most = prompt_chars(request), MAX_CHARS_PER_TOKEN * context
+    if n > most:
+        raise ValueError(
+            f"The prompt is {n} characters long, more than a model with a context of "
+            f"{context} tokens can take (this server takes at most {most} characters, "
+            f"{MAX_CHARS_PER_TOKEN} a token)")
+
+
 @dataclass
 class PromptPlan:
     tokens: List[int]

@@ -15,7 +15,8 @@ fetched layer's buffers: no copy). `BatchGenerator` merges a batch's caches
 with the class of its first request's layer, so every prompt batch and
 generation batch it builds is made of these; other layers (recurrent) are
 batched as upstream does. Models with other layers upstream would quantize
-(rotating: upstream raises; vision.MRopeKVCache) stay on the sequential path
+(rotating: upstream raises; vision.MRopeKVCache), or with head dims that
+--kv-group-size does not divide, stay on the sequential path
 (`supports_quantized_batching`).
 
 --quantized-kv-start, per request. Upstream's sequential path
@@ -69,13 +70,28 @@ from mlx_lm.models.cache import (
 )
 
 
-def supports_quantized_batching(model) -> bool:
+def supports_quantized_batching(model, group_size: int) -> bool:
     """Whether --kv-bits requests on `model` may be batched here: every layer
-    that upstream would quantize (`to_quantized`) is a plain KVCache. A
-    rotating layer (upstream raises on it) or a KVCache subclass with state
-    of its own (vision.MRopeKVCache) keeps the model on the sequential path."""
-    return model is not None and all(
-        type(c) is KVCache or not hasattr(c, "to_quantized") for c in make_prompt_cache(model))
+    that upstream would quantize (`to_quantized`) is a plain KVCache whose
+    head dims `group_size` divides. A rotating layer (upstream raises on
+    it) or a KVCache subclass with state of its own (vision.MRopeKVCache)
+    keeps the model on the sequential path; so do head dims mx.quantize
+    can not take (16 with any group size, 96 with 64): there each request
+    that reaches --quantized-kv-start fails alone, as upstream's, where in
+    a batch the whole batch would."""
+    if model is None:
+        return False
+    cache = make_prompt_cache(model)
+    if not all(type(c) is KVCache or not hasattr(c, "to_quantized") for c in cache):
+        return False
+    try:
+        # One token through the model, for the shapes of its keys and
+        # values: MLX is lazy and nothing is evaluated.
+        model(mx.array([[0]]), cache=cache)
+    except Exception:
+        return False
+    return all(c.keys.shape[-1] % group_size == 0 and c.values.shape[-1] % group_size == 0
+               for c in cache if type(c) is KVCache and c.keys is not None)
 
 
 def _zeros(like, rows: int, length: int):

@@ -129,6 +129,13 @@ CASES = [
         # names kept in the request history, logged and echoed: bounded
         ("model", "m" * 5000), ("draft_model", "d" * 5000), ("adapters", "a" * 5000),
     ]],
+    # prompts longer than the fixture's context (32768 tokens) could hold at
+    # 16 characters a token: refused before they are tokenized (a 100 MB one
+    # had the server killed for memory)
+    (CHAT, {"messages": [{"role": "user", "content": "the sea " * 70_000}], "max_tokens": 2}),
+    (CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "description": "d" * 600_000}}])),
+    (TEXT, {"prompt": "x" * 600_000, "max_tokens": 2}),
 ]
 
 MESSAGES = "/v1/messages"
@@ -150,6 +157,7 @@ def tool_turns(result_id):
 # Anthropic Messages bodies: each gets Anthropic's error shape.
 MESSAGES_CASES = [
     *[(MESSAGES, body) for body in [
+        message(system="z" * 600_000),
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
         message(max_tokens="many"), message(max_tokens=0), message(max_tokens=True),
         message(model=None), message(model=5), message(messages=[]), message(messages="hi"),
@@ -201,6 +209,7 @@ def response(**kw):
 # OpenAI Responses bodies: each gets OpenAI's error object.
 RESPONSES_CASES = [
     *[(RESPONSES, body) for body in [
+        response(input="y" * 600_000),
         response(input=None), response(input=5), response(input=[]),
         response(input=[{"type": "message", "role": "user", "content": 5}]),
         response(input=[{"type": "message", "role": "robot", "content": "x"}]),
@@ -426,3 +435,52 @@ def test_a_model_not_served_is_never_read(server, fixture_path):
         status, _, data = server.request("POST", CHAT, raw=json.dumps(
             chat(model=model, top_k=10**6)).encode())
         assert status == 404, data[:200]
+
+
+def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, monkeypatch):
+    """The text of a prompt is counted (image data URLs aside) and refused
+    past 16 characters a token of the model's context, before anything is
+    rendered or tokenized."""
+    from types import SimpleNamespace
+
+    from mlx_lm.server import CompletionRequest
+
+    from mlx_lm_plus import engine as engine_module
+    from mlx_lm_plus.models import context_length
+    from mlx_lm_plus.prompt import check_prompt_size, prompt_chars
+    from tests.engine_harness import EngineRunner
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 9000}}
+    chat_request = CompletionRequest("chat", "", [
+        {"role": "user", "content": [{"type": "text", "text": "abc"}, image]},
+        {"role": "assistant", "content": "de", "tool_calls": [
+            {"function": {"name": "f", "arguments": "{}"}}]}], [{"x": "yz"}], None)
+    # (every string: roles and part types too, not the image)
+    assert prompt_chars(chat_request) == sum(map(len, [
+        "user", "text", "abc", "assistant", "de", "f", "{}", "yz"]))
+    check_prompt_size(CompletionRequest("text", "x" * 160, [], None, None), 10)
+    with pytest.raises(ValueError, match="161 characters long.*context of 10 tokens"):
+        check_prompt_size(CompletionRequest("text", "x" * 161, [], None, None), 10)
+
+    # The config's context, times its rope scaling factor.
+    assert context_length(SimpleNamespace(args=SimpleNamespace(
+        max_position_embeddings=4096, rope_scaling={"factor": 4.0, "type": "yarn"}))) == 16384
+    assert context_length(SimpleNamespace(args=SimpleNamespace(
+        text_config={"max_position_embeddings": 2048}))) == 2048
+    assert context_length(SimpleNamespace(args=SimpleNamespace())) is None
+
+    built, build = [], engine_module.build_prompt
+    monkeypatch.setattr(engine_module, "build_prompt",
+                        lambda *a, **kw: built.append(1) or build(*a, **kw))
+    runner = EngineRunner(fixture_path("qwen3"), max_bytes=0)
+    try:
+        assert runner.loaded.context_length == 32768
+        big = {"messages": [{"role": "user", "content": "x" * (16 * 32768 - 3)}]}
+        with pytest.raises(Exception, match="524289 characters long"):  # ("user")
+            runner.submit(big).result()
+        assert built == []
+        assert len(runner.run({"messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 2})[0]) == 2
+        assert built == [1]
+    finally:
+        runner.close()

@@ -380,3 +380,25 @@ def test_mrope_layers_keep_their_delta_under_kv_bits():
     cache = [layer]
     maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=4)
     assert cache[0] is layer and layer.rope_delta == -37 and layer.offset == 8
+
+
+def test_head_dim_the_group_size_does_not_divide_fails_only_requests_past_the_start(
+        fixture_path):
+    """The tiny fixture's head dim (16) is one mx.quantize can not take with
+    --kv-group-size 64: as upstream, a request that reaches
+    --quantized-kv-start fails, alone. Batched, its row's quantization
+    failed every request beside it."""
+    runner = EngineRunner(fixture_path("qwen3"), max_bytes=0,
+                          argv=["--kv-bits", "4", "--quantized-kv-start", "60"])
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+             "temperature": 0.0}
+    long = {**short, "messages": [{"role": "user", "content": "the river and the sea " * 20}]}
+    try:
+        alone = runner.run(short)[0]
+        channels = [runner.submit(long), runner.submit(short)]
+        with pytest.raises(Exception, match="divisible by the quantization group size 64"):
+            channels[0].result()
+        assert channels[1].result()[0] == alone
+        assert runner.run(short)[0] == alone and runner.engine.is_healthy
+    finally:
+        runner.close()
