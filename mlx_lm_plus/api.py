@@ -21,6 +21,7 @@ from typing import List, Optional
 from aiohttp import web
 from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
+from .bodies import BodyError, parse_body
 from .cache import READ_AHEAD_SECONDS
 from .constraints import (
     ConstraintError,
@@ -967,15 +968,9 @@ class Server:
 def _parse_body(raw: bytes):
     """A request body's JSON (RequestError 400 if it is not)."""
     try:
-        text = raw.decode()
-    except UnicodeDecodeError as e:
-        raise RequestError(f"Request body is not valid UTF-8: {e}") from e
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise RequestError(f"Invalid JSON in request body: {e}") from e
-    except ValueError as e:  # an integer of more than 4300 digits
-        raise RequestError(f"Invalid JSON in request body: {e}") from e
+        return parse_body(raw)
+    except BodyError as e:
+        raise RequestError(str(e)) from e
 
 
 def _sse(obj) -> bytes:

@@ -1,0 +1,84 @@
+"""Request bodies -> JSON, without stalling the event loop on large ones.
+
+A large body is parsed in an executor, but json.loads and bytes.decode hold
+the GIL for their whole length, so the event loop waits anyway: a body of
+ten 11.6 MB screenshots (agents resend every image of a conversation each
+turn) took 138 ms of one call, every stream stalled meanwhile. Nearly all
+of such a body is the base64 of its data URLs, which needs no parsing: each
+payload is cut out of the bytes first (found with bytes.find, memchr-fast),
+the rest is parsed in a few milliseconds, and each payload is put back as a
+string in a call of its own (a few ms each), between which the loop runs.
+The result is json.loads(raw)'s, and so are the errors: anything unusual
+(a payload with other characters than base64's) is left in place.
+"""
+
+import json
+import uuid
+from typing import Any, List
+
+# Payloads shorter than this are parsed where they are.
+MIN_PAYLOAD_BYTES = 64 << 10
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+# What stands for payload i in the parsed skeleton: a nonce no client knows,
+# and a fixed width.
+_MARK = "mlxplus" + uuid.uuid4().hex
+_MARK_BYTES = len(_MARK) + 8
+
+
+class BodyError(ValueError):
+    """The body is not UTF-8 JSON (the message says why)."""
+
+
+def parse_body(raw: bytes) -> Any:
+    payloads: List[bytes] = []
+    pieces, pos, end = [], 0, 0  # (pos: copied up to; end: searched up to)
+    while True:
+        found = raw.find(b";base64,", end)
+        if found < 0:
+            break
+        start = found + len(b";base64,")
+        end = raw.find(b'"', start)
+        if end < 0:
+            break
+        payload = raw[start:end] if end - start >= MIN_PAYLOAD_BYTES else None
+        if payload is not None and not payload.translate(None, _BASE64):
+            pieces += [raw[pos:start], f"{_MARK}{len(payloads):08d}".encode()]
+            payloads.append(payload)
+            pos = end
+    if not payloads:
+        return _loads(raw)
+    pieces.append(raw[pos:])
+    try:
+        return _put_back(_loads(b"".join(pieces)), payloads)
+    except (BodyError, RecursionError):
+        return _loads(raw)  # (its own error, where it is)
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise BodyError(f"Request body is not valid UTF-8: {e}") from e
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise BodyError(f"Invalid JSON in request body: {e}") from e
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise BodyError(f"Invalid JSON in request body: {e}") from e
+
+
+def _put_back(value: Any, payloads: List[bytes]) -> Any:
+    """`value` with each mark replaced by its payload (a string holds one
+    where the payload was in the body: only strings are looked at)."""
+    if isinstance(value, str):
+        at = value.find(_MARK)
+        while at >= 0:
+            i = int(value[at + len(_MARK):at + _MARK_BYTES])
+            value = value[:at] + payloads[i].decode("ascii") + value[at + _MARK_BYTES:]
+            at = value.find(_MARK, at + len(payloads[i]))
+        return value
+    if isinstance(value, dict):
+        return {_put_back(k, payloads): _put_back(v, payloads) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_put_back(v, payloads) for v in value]
+    return value

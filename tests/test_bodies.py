@@ -1,0 +1,71 @@
+"""Request bodies parsed with their data URLs' base64 cut out first
+(mlx_lm_plus/bodies.py): the same values and errors as json.loads, with
+only a skeleton going through the parser in one call."""
+
+import base64
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlx_lm_plus import bodies
+from mlx_lm_plus.bodies import BodyError, parse_body
+
+
+def image_url(n: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(os.urandom(n)).decode()
+
+
+def test_payloads_are_not_parsed_with_the_rest(monkeypatch):
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(bodies.json, "loads", lambda text: parsed.append(len(text)) or loads(text))
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Which is \"the\" cat?\n"},
+        *[{"type": "image_url", "image_url": {"url": image_url(300_000)}} for _ in range(3)]]}]}
+    raw = json.dumps(body).encode()
+    assert parse_body(raw) == body
+    assert len(parsed) == 1 and parsed[0] < 1000 < len(raw)
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(max_size=20) | st.sampled_from(["data:image/png;base64,", ";base64,", "\\", '"']),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values, st.lists(st.sampled_from([
+    "data:image/png;base64,QUJD", ";base64,QUJDRA==", ";base64,QU\\/JD", ";base64,QU\nJD",
+    "data:x;base64,", ";base64,QUJD\u00e9"]), max_size=3),
+       st.booleans(), st.booleans())
+def test_same_as_json_loads(monkeypatch, value, urls, ascii_only, compact):
+    """Any JSON, with payloads of every kind (escaped, with other characters,
+    empty) in strings and keys: the value json.loads gives. (The patch is
+    the same for every example.)"""
+    monkeypatch.setattr(bodies, "MIN_PAYLOAD_BYTES", 2)
+    body = {"v": value, "urls": urls, **{u: i for i, u in enumerate(urls)}}
+    raw = json.dumps(body, ensure_ascii=ascii_only,
+                     separators=(",", ":") if compact else None).encode()
+    assert parse_body(raw) == json.loads(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"u": "data:x;base64,QUJDRA==', b'{"u": "data:x;base64,QUJDRA=="',
+    b'{"u": "data:x;base64,QUJDRA==" "v"}', b'{"u": "data:x;base64,QUJDRA=="}}',
+    b'{"u": "data:x;base64,QUJD\nRA=="}', b'{"u": "data:x;base64,QUJDRA==", "n": 1' + b"0" * 5000 + b"}",
+    b'{"u": "data:x;base64,QUJDRA==", "b": "\xff"}', b'[' * 100_000 + b'"data:x;base64,QUJDRA=="',
+])
+def test_same_errors_as_json_loads(monkeypatch, raw):
+    monkeypatch.setattr(bodies, "MIN_PAYLOAD_BYTES", 2)
+    with pytest.raises(BodyError) as cut:
+        parse_body(raw)
+    monkeypatch.setattr(bodies, "MIN_PAYLOAD_BYTES", 1 << 60)
+    with pytest.raises(BodyError) as whole:
+        parse_body(raw)
+    assert str(cut.value) == str(whole.value)
