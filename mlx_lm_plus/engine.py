@@ -921,8 +921,10 @@ class Engine:
         if self._is_distributed or lm is None:
             return None
         images = request.request_type == "chat" and any(_image_parts(request.messages))
-        if images and (not _serves_images(lm) or
-                       len(self._image_plans) >= self.cli_args.prompt_concurrency):
+        # (A model without a processor refuses images here, in planning.)
+        if images and lm.processor is not None and (
+                not _serves_images(lm)
+                or len(self._image_plans) >= self.cli_args.prompt_concurrency):
             return None
         self._planning_since = time.monotonic()  # watched, as the generation thread is
         try:
@@ -1000,7 +1002,8 @@ class Engine:
     def _is_batchable(self, lm, request, args) -> bool:
         # Image requests batch on models served through mlx-vlm (vision.py);
         # on mlx-lm's own vision models they are served sequentially, as
-        # upstream does.
+        # upstream does; on text-only models they fail in planning (no
+        # batch to drain for that).
         # --kv-bits batches through quantized_batch.py where every layer
         # upstream would quantize is a plain KVCache. (The messages are
         # scanned for images last: this runs every loop turn for requests
@@ -1011,7 +1014,7 @@ class Engine:
             and (self.cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching", lambda: self._on_every_rank(
                      supports_quantized_batching(lm.model, self.cli_args.kv_group_size))))
-            and (_vision(lm) is not None or not (
+            and (_vision(lm) is not None or lm.processor is None or not (
                 request.request_type == "chat" and any(_image_parts(request.messages))))
         )
 

@@ -484,3 +484,30 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
         assert built == [1]
     finally:
         runner.close()
+
+
+def test_images_to_a_text_model_fail_without_waiting_for_the_batch(fixture_path):
+    """An image request to a model with no vision is refused in planning,
+    and at admission beside a running request: it used to be set aside for
+    the sequential path, and answered its 400 only once the batch had
+    drained (every running request finished)."""
+    from mlx_lm_plus.engine import PromptError
+    from mlx_lm_plus.validation import parse_request
+    from tests.engine_harness import EngineRunner
+
+    runner = EngineRunner(fixture_path("qwen3"))
+    try:
+        runner.loaded  # (planned with the model loaded)
+        parsed = parse_request(CHAT, image_chat(png_url(2, 2)), runner.args)
+        with pytest.raises(PromptError, match="Only 'text' content type is supported"):
+            runner.engine.plan(parsed.request, parsed.args)
+        long = runner.submit({"messages": [{"role": "user", "content": "tell me"}],
+                              "max_tokens": 2000})
+        first = long.items.get(timeout=60)  # (running: its context came)
+        with pytest.raises(Exception, match="Only 'text' content type is supported"):
+            runner.submit(image_chat(png_url(2, 2))).result(timeout=60)
+        running = long.removed_at is None
+        long.cancel_and_drain()
+        assert first is not None and running
+    finally:
+        runner.close()
