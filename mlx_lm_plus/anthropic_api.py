@@ -24,13 +24,13 @@ prompt); every computed token is cached as it is computed, at no extra cost,
 so cache_creation_input_tokens is 0.
 """
 
-import base64
 import binascii
 import json
 import re
 import uuid
 from typing import Any, Dict, List, Optional
 
+from .bodies import b64decode
 from .logs import warn_once
 from .validation import RequestError, check_item_count, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
@@ -89,7 +89,7 @@ def _image_part(block: dict, where: str) -> dict:
         if not isinstance(data, str):
             raise RequestError(f"{where}.source.data: Field required (base64 text)")
         try:
-            base64.b64decode(data, validate=True)
+            b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RequestError(f"{where}.source.data: invalid base64 data ({e})") from e
         url = f"data:{media_type};base64,{data}"

@@ -10,19 +10,31 @@ the rest is parsed in a few milliseconds, and each payload is put back as a
 string in a call of its own (a few ms each), between which the loop runs.
 The result is json.loads(raw)'s, and so are the errors: anything unusual
 (a payload with other characters than base64's) is left in place.
+
+Images are then decoded from base64 to be checked and used: `b64decode`
+does it a piece at a time, for the same reason.
 """
 
+import base64
 import json
 import uuid
 from typing import Any, List
 
 # Payloads shorter than this are parsed where they are.
 MIN_PAYLOAD_BYTES = 64 << 10
+# Past either, the body is parsed whole: putting payloads back walks the
+# parsed skeleton in Python, and each place searched is a turn of a loop.
+MAX_SKELETON_BYTES = 1 << 20
+MAX_PLACES = 1024
 _BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 # What stands for payload i in the parsed skeleton: a nonce no client knows,
 # and a fixed width.
 _MARK = "mlxplus" + uuid.uuid4().hex
 _MARK_BYTES = len(_MARK) + 8
+
+
+# Base64 decoded in pieces of this many characters (~2 ms each).
+B64_PIECE_CHARS = 1 << 20
 
 
 class BodyError(ValueError):
@@ -32,7 +44,7 @@ class BodyError(ValueError):
 def parse_body(raw: bytes) -> Any:
     payloads: List[bytes] = []
     pieces, pos, end = [], 0, 0  # (pos: copied up to; end: searched up to)
-    while True:
+    for _ in range(MAX_PLACES):
         found = raw.find(b";base64,", end)
         if found < 0:
             break
@@ -45,13 +57,20 @@ def parse_body(raw: bytes) -> Any:
             pieces += [raw[pos:start], f"{_MARK}{len(payloads):08d}".encode()]
             payloads.append(payload)
             pos = end
-    if not payloads:
-        return _loads(raw)
-    pieces.append(raw[pos:])
-    try:
-        return _put_back(_loads(b"".join(pieces)), payloads)
-    except (BodyError, RecursionError):
-        return _loads(raw)  # (its own error, where it is)
+        del payload
+    else:
+        payloads.clear()  # (many places: not a body of a few images)
+    if payloads:
+        pieces.append(raw[pos:])
+        skeleton = b"".join(pieces)
+        del pieces
+        if len(skeleton) <= MAX_SKELETON_BYTES:
+            try:
+                return _put_back(_loads(skeleton), payloads)
+            except (BodyError, RecursionError):
+                pass  # (parsed whole: its own error, where it is)
+        payloads.clear()
+    return _loads(raw)
 
 
 def _loads(raw: bytes) -> Any:
@@ -82,3 +101,17 @@ def _put_back(value: Any, payloads: List[bytes]) -> Any:
     if isinstance(value, list):
         return [_put_back(v, payloads) for v in value]
     return value
+
+
+def b64decode(data, validate: bool = False) -> bytes:
+    """base64.b64decode(data, validate=validate), a piece at a time where
+    `data` is plain base64 (whole quartets, padding only at the end), so
+    that the GIL is let go between pieces; anything else, whole."""
+    if len(data) <= B64_PIECE_CHARS or (isinstance(data, str) and not data.isascii()):
+        return base64.b64decode(data, validate=validate)
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    padding = raw.find(b"=")
+    if len(raw) % 4 or raw.translate(None, _BASE64) or 0 <= padding < len(raw) - 2:
+        return base64.b64decode(raw, validate=validate)
+    return b"".join(base64.b64decode(raw[i:i + B64_PIECE_CHARS], validate=validate)
+                    for i in range(0, len(raw), B64_PIECE_CHARS))

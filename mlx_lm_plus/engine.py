@@ -78,7 +78,9 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
-from .prompt import PromptPlan, build_prompt, check_prompt_size, split_at, template_kwargs
+from .prompt import (
+    PromptPlan, build_prompt, check_prompt_size, prompt_chars, split_at, template_kwargs,
+)
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
 from .validation import RequestError, check_vocab
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
@@ -892,7 +894,8 @@ class Engine:
     def _build_plan(self, lm, request, args) -> PromptPlan:
         kwargs = template_kwargs(self.cli_args.chat_template_args, args.chat_template_kwargs)
         try:
-            check_prompt_size(request, getattr(lm, "context_length", None))
+            check_prompt_size(prompt_chars(request, kwargs, lm.tokenizer.has_chat_template),
+                              lm.context_length)
             return build_prompt(lm.tokenizer, lm.processor, request, kwargs)
         except Exception as e:
             raise PromptError(str(e) or type(e).__name__) from e
@@ -1748,8 +1751,8 @@ class Engine:
         never run between batch steps). None: not answerable here (that
         model not loaded, or images for one of mlx-lm's own vision models)."""
         lm = self.model_provider.get(self.model_provider.key_for(args.model))
-        if lm is None or (request.request_type == "chat" and not _serves_images(lm)
-                          and any(_image_parts(request.messages))):
+        if lm is None or (request.request_type == "chat" and lm.processor is not None
+                          and not _serves_images(lm) and any(_image_parts(request.messages))):
             return None
         # A copy: templating converts the messages in place (the decoded
         # images are only read: not copied).

@@ -315,20 +315,20 @@ def _mlx_lm_has(model_path) -> bool:
         return True
 
 
-def context_length(model) -> Optional[int]:
-    """How many tokens `model` takes, as its config says: the largest
+def context_length(config: Optional[dict]) -> Optional[int]:
+    """How many tokens a model takes, as its config.json says: the largest
     position (max_position_embeddings, or its text model's), times its rope
     scaling factor when it has one (a bound, not exact: Llama 3.1's already
-    counts its factor). None: the config does not say."""
-    for config in (getattr(model, "args", None), getattr(model, "config", None)):
-        for c in (config, getattr(config, "text_config", None)):
-            c = c if isinstance(c, dict) else getattr(c, "__dict__", {})
-            n = c.get("max_position_embeddings")
-            if isinstance(n, int) and n > 0:
-                scaling = c.get("rope_scaling")
-                factor = scaling.get("factor") if isinstance(scaling, dict) else None
-                ok = isinstance(factor, (int, float)) and math.isfinite(factor)
-                return int(n * max(1.0, factor if ok else 1.0))
+    counts its factor). None: the config does not say (mlx-lm's model
+    arguments are not read: their defaults stand in for fields a config
+    lacks, 2056 for Mamba 2, whose context has no such bound)."""
+    for c in (config, (config or {}).get("text_config")):
+        n = c.get("max_position_embeddings") if isinstance(c, dict) else None
+        if isinstance(n, int) and n > 0:
+            scaling = c.get("rope_scaling")
+            factor = scaling.get("factor") if isinstance(scaling, dict) else None
+            ok = isinstance(factor, (int, float)) and math.isfinite(factor)
+            return int(n * max(1.0, factor if ok else 1.0))
     return None
 
 
@@ -360,8 +360,7 @@ class LoadedModel(UpstreamModelProvider):
         self.load_seconds = 0.0
         self.nbytes = sum(a.nbytes for a in arrays)  # (each array once: `seen`)
         self.vocab_size = self._vocab_size()
-        self.context_length = (context_length(self.model)  # (else mlx-vlm's model's)
-                               or context_length(getattr(self.processor, "vlm", None)))
+        self.context_length = context_length(self.config)
 
     def _vocab_size(self) -> Optional[int]:
         """How many token ids top_k and logit_bias may use: the width of the
@@ -402,6 +401,7 @@ class LoadedModel(UpstreamModelProvider):
         self.model = model
         self.tokenizer = tokenizer
         self.processor = processor
+        self.config = processor.config
         self.draft_model = None
         self.is_batchable = path == "batched"
         if path == "batched":
@@ -449,6 +449,7 @@ class LoadedModel(UpstreamModelProvider):
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model = model
         self.tokenizer = tokenizer
+        self.config = config
         self.processor = upstream.load_processor(model, config)
         if config.get("vision_config") and self.processor is None:
             # (Say which path it takes: images are not served for it yet.)

@@ -32,39 +32,59 @@ from .vlm_generation import MlxVlmGeneration
 # A prompt's text is bounded before it is rendered and tokenized: a fast
 # tokenizer holds ~150 bytes a character while it works (a 5 MB prompt took
 # 800 MB and 4.5 s on the fixture's tokenizer; a 100 MB body had the server
-# killed for memory), for a prompt no model could take anyway. No tokenizer
-# writes more than a few characters a token on real text; the bound is
-# generous, and where the model does not say its context, it is taken as
-# UNKNOWN_CONTEXT tokens.
-MAX_CHARS_PER_TOKEN = 16
+# killed for memory), for a prompt no model could take anyway. What is
+# counted is everything the template may render, some of which it drops
+# (past turns' reasoning): the bound is generous, no tokenizer writes more
+# than a few characters a token of real text. Where the model's config
+# does not say its context, it is taken as UNKNOWN_CONTEXT tokens.
+MAX_CHARS_PER_TOKEN = 32
 UNKNOWN_CONTEXT = 1 << 20
+# Without a chat template, upstream's plain format (convert_chat) writes
+# each message's role prefix and stop: with its own mapping, at most this.
+DEFAULT_ROLE_CHARS = 160
 
 
-def prompt_chars(request: CompletionRequest) -> int:
+def _chars(value, skip_images: bool) -> int:
+    """Characters of the strings in `value`, dict keys included, image
+    parts aside when `skip_images` (a walk: nesting depth is the client's)."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, dict):
+            if not (skip_images and v.get("type") in ("image_url", "image", "input_image")):
+                stack += v.keys()
+                stack += v.values()
+        elif isinstance(v, (list, tuple)):
+            stack += v
+    return n
+
+
+def prompt_chars(request: CompletionRequest, template_args: Dict[str, Any],
+                 has_chat_template: bool) -> int:
     """Characters of the text a request's prompt is rendered from: its
-    prompt, or the strings of its messages (image parts aside) and tools."""
+    prompt; or its messages' and tools' strings and the template's
+    arguments' (`template_args`), image parts aside where a template
+    places them (the plain format writes them out, data URL and all), and
+    without a template each message's role prefix and stop."""
     if request.request_type != "chat":
         return len(request.prompt)
-
-    def chars(value) -> int:
-        if isinstance(value, str):
-            return len(value)
-        if isinstance(value, dict):
-            if value.get("type") in ("image_url", "image", "input_image"):
-                return 0
-            return sum(chars(v) for v in value.values())
-        if isinstance(value, (list, tuple)):
-            return sum(chars(v) for v in value)
-        return 0
-
-    return chars(request.messages) + chars(request.tools)
+    n = (_chars(request.messages, has_chat_template) + _chars(request.tools, False)
+         + _chars(template_args, False))
+    if not has_chat_template:
+        mapping = request.role_mapping
+        per_message = (2 * max((len(v) for v in mapping.values() if isinstance(v, str)),
+                               default=0) if mapping else DEFAULT_ROLE_CHARS)
+        n += per_message * (len(request.messages) + 1)
+    return n
 
 
-def check_prompt_size(request: CompletionRequest, context_length: Optional[int]) -> None:
-    """ValueError when the request's text is more than MAX_CHARS_PER_TOKEN
-    characters for each token of the model's context."""
+def check_prompt_size(n: int, context_length: Optional[int]) -> None:
+    """ValueError when a prompt of `n` characters (prompt_chars) is more
+    than MAX_CHARS_PER_TOKEN for each token of the model's context."""
     context = context_length or UNKNOWN_CONTEXT
-    n, most = prompt_chars(request), MAX_CHARS_PER_TOKEN * context
+    most = MAX_CHARS_PER_TOKEN * context
     if n > most:
         raise ValueError(
             f"The prompt is {n} characters long, more than a model with a context of "

@@ -164,15 +164,23 @@ class ResponseStore:
 def json_size(value: Any) -> int:
     """The bytes of `value` as json.dumps(value, ensure_ascii=False) writes
     it, without writing it (a conversation's data URLs run to tens of MB,
-    serialized on the event loop), escapes in strings aside."""
-    if isinstance(value, str):
-        return 2 + (len(value) if value.isascii() else len(value.encode()))
-    if isinstance(value, dict):
-        return max(2, 2 * len(value)) + sum(json_size(str(k)) + 2 + json_size(v)
-                                    for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return max(2, 2 * len(value)) + sum(json_size(v) for v in value)
-    return len(json.dumps(value))
+    serialized on the event loop), escapes in strings aside. (A walk, not
+    a recursion: tool schemas nest deeper than Python recurses.)"""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += 2 + (len(v) if v.isascii() else len(v.encode()))
+        elif isinstance(v, dict):
+            n += max(2, 4 * len(v))  # braces, ": " and ", "
+            stack += (str(k) for k in v)
+            stack += v.values()
+        elif isinstance(v, (list, tuple)):
+            n += max(2, 2 * len(v))
+            stack += v
+        else:
+            n += len(json.dumps(v))
+    return n
 
 
 # -- request: items -> chat messages --

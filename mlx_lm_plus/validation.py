@@ -6,7 +6,6 @@ a value that later kills its generation thread, we reject it here with a
 message in the same style (see `_validate_extra`).
 """
 
-import base64
 import binascii
 import io
 import math
@@ -23,6 +22,8 @@ from mlx_lm.server import (
     _image_parts,
     _image_url,
 )
+
+from .bodies import b64decode
 
 
 class RequestError(ValueError):
@@ -316,7 +317,7 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
                 f"Image {i} is larger than {max_bytes} bytes (--max-image-bytes)", 413
             )
         try:
-            data = base64.b64decode(payload, validate=False)
+            data = b64decode(payload, validate=False)
         except (binascii.Error, ValueError) as e:
             raise RequestError(f"Image {i}: invalid base64 data ({e})") from e
         from PIL import Image, UnidentifiedImageError

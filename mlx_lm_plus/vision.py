@@ -32,7 +32,6 @@ mode), so the same picture sent again (even re-encoded) hits, and two
 different pictures never share a key past the first of them.
 """
 
-import base64
 import contextlib
 import io
 import json
@@ -46,6 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
+from .bodies import b64decode
 from .logs import warn_once
 
 # Families with M-RoPE, whose positions and feature merge this module handles.
@@ -325,7 +325,7 @@ def decode_image(url: str, max_pixels: Optional[int] = None):
     down to that anyway; doing it here bounds what a request holds)."""
     from PIL import Image, ImageOps
 
-    data = base64.b64decode(url.partition(",")[2])
+    data = b64decode(url.partition(",")[2])
     with Image.open(io.BytesIO(data)) as image:
         image.seek(0)  # GIF: the first frame
         # A photo's EXIF orientation applied (as mlx-vlm's load_image does;
@@ -439,6 +439,7 @@ class VisionSupport:
 
     def __init__(self, vlm, processor, config: dict):
         self.vlm = vlm
+        self.config = config  # (config.json's)
         self.processor = processor
         self.model_type = config.get("model_type")
         image_token = config.get("image_token_id", config.get("image_token_index"))

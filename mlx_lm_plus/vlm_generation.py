@@ -42,6 +42,7 @@ class MlxVlmGeneration:
 
     def __init__(self, vlm, processor, config: dict):
         self.vlm = vlm
+        self.config = config  # (config.json's)
         self.processor = processor
         self.model_type = config.get("model_type")
         self.calls = 0  # images through the vision tower (tests and metrics)

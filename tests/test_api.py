@@ -554,7 +554,6 @@ async def test_images_are_checked_off_the_event_loop(aiohttp_client, aiohttp_ser
     stream for half a second."""
     import base64
     import io
-    import types
 
     from aiohttp import web
     from PIL import Image
@@ -570,10 +569,8 @@ async def test_images_are_checked_off_the_event_loop(aiohttp_client, aiohttp_ser
             return f(*a, **kw)
         return wrapper
 
-    monkeypatch.setattr(validation, "base64", types.SimpleNamespace(
-        b64decode=recording(base64.b64decode)))
-    monkeypatch.setattr(anthropic_api, "base64", types.SimpleNamespace(
-        b64decode=recording(base64.b64decode)))
+    monkeypatch.setattr(validation, "b64decode", recording(validation.b64decode))
+    monkeypatch.setattr(anthropic_api, "b64decode", recording(anthropic_api.b64decode))
     monkeypatch.setattr(remote_images, "_validate_images",
                         recording(remote_images._validate_images))
 

@@ -130,12 +130,13 @@ CASES = [
         ("model", "m" * 5000), ("draft_model", "d" * 5000), ("adapters", "a" * 5000),
     ]],
     # prompts longer than the fixture's context (32768 tokens) could hold at
-    # 16 characters a token: refused before they are tokenized (a 100 MB one
+    # 32 characters a token: refused before they are tokenized (a 100 MB one
     # had the server killed for memory)
-    (CHAT, {"messages": [{"role": "user", "content": "the sea " * 70_000}], "max_tokens": 2}),
+    (CHAT, {"messages": [{"role": "user", "content": "the sea " * 140_000}], "max_tokens": 2}),
     (CHAT, chat(tools=[{"type": "function", "function": {
-        "name": "f", "description": "d" * 600_000}}])),
-    (TEXT, {"prompt": "x" * 600_000, "max_tokens": 2}),
+        "name": "f", "description": "d" * 1_100_000}}])),
+    (CHAT, chat(chat_template_kwargs={"date_string": "d" * 1_100_000})),
+    (TEXT, {"prompt": "x" * 1_100_000, "max_tokens": 2}),
 ]
 
 MESSAGES = "/v1/messages"
@@ -157,7 +158,7 @@ def tool_turns(result_id):
 # Anthropic Messages bodies: each gets Anthropic's error shape.
 MESSAGES_CASES = [
     *[(MESSAGES, body) for body in [
-        message(system="z" * 600_000),
+        message(system="z" * 1_100_000),
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
         message(max_tokens="many"), message(max_tokens=0), message(max_tokens=True),
         message(model=None), message(model=5), message(messages=[]), message(messages="hi"),
@@ -209,7 +210,7 @@ def response(**kw):
 # OpenAI Responses bodies: each gets OpenAI's error object.
 RESPONSES_CASES = [
     *[(RESPONSES, body) for body in [
-        response(input="y" * 600_000),
+        response(input="y" * 1_100_000),
         response(input=None), response(input=5), response(input=[]),
         response(input=[{"type": "message", "role": "user", "content": 5}]),
         response(input=[{"type": "message", "role": "robot", "content": "x"}]),
@@ -438,36 +439,48 @@ def test_a_model_not_served_is_never_read(server, fixture_path):
 
 
 def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, monkeypatch):
-    """The text of a prompt is counted (image data URLs aside) and refused
-    past 16 characters a token of the model's context, before anything is
-    rendered or tokenized."""
-    from types import SimpleNamespace
-
+    """Everything a prompt is rendered from is counted (image data URLs
+    aside where a template places them), and refused past 32 characters a
+    token of the model's context, before anything is rendered or
+    tokenized."""
     from mlx_lm.server import CompletionRequest
 
     from mlx_lm_plus import engine as engine_module
     from mlx_lm_plus.models import context_length
-    from mlx_lm_plus.prompt import check_prompt_size, prompt_chars
+    from mlx_lm_plus.prompt import DEFAULT_ROLE_CHARS, check_prompt_size, prompt_chars
     from tests.engine_harness import EngineRunner
 
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 9000}}
-    chat_request = CompletionRequest("chat", "", [
-        {"role": "user", "content": [{"type": "text", "text": "abc"}, image]},
-        {"role": "assistant", "content": "de", "tool_calls": [
-            {"function": {"name": "f", "arguments": "{}"}}]}], [{"x": "yz"}], None)
-    # (every string: roles and part types too, not the image)
-    assert prompt_chars(chat_request) == sum(map(len, [
-        "user", "text", "abc", "assistant", "de", "f", "{}", "yz"]))
-    check_prompt_size(CompletionRequest("text", "x" * 160, [], None, None), 10)
-    with pytest.raises(ValueError, match="161 characters long.*context of 10 tokens"):
-        check_prompt_size(CompletionRequest("text", "x" * 161, [], None, None), 10)
+    url = "data:image/png;base64," + "A" * 9000
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "abc"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    request = CompletionRequest("chat", "", messages, [{"x": "yz"}], None)
+    strings = ["role", "user", "content", "type", "text", "text", "abc", "x", "yz"]
+    assert prompt_chars(request, {}, True) == sum(map(len, strings))
+    # The template's arguments are rendered too (Llama's date_string).
+    assert prompt_chars(request, {"date_string": "d" * 100}, True) == (
+        sum(map(len, strings)) + len("date_string") + 100)
+    # Upstream's plain format (no template) writes the image part out, and
+    # each message's role prefix and stop (a client's mapping: its longest).
+    plain = prompt_chars(request, {}, False)
+    assert plain >= sum(map(len, strings)) + len(url) + 2 * DEFAULT_ROLE_CHARS
+    mapped = CompletionRequest("chat", "", messages * 8, None, {"user": "u" * 1000})
+    assert prompt_chars(mapped, {}, False) >= 9 * 2000
+    # Nesting as deep as a body may have is walked, not recursed into.
+    deep = [["x"]]
+    for _ in range(100_000):
+        deep = [deep]
+    assert prompt_chars(CompletionRequest("chat", "", [{"role": "user", "content": deep}],
+                                          None, None), {}, True) == 1 + len("roleusercontent")
+    check_prompt_size(320, 10)
+    with pytest.raises(ValueError, match="321 characters long.*context of 10 tokens"):
+        check_prompt_size(321, 10)
 
-    # The config's context, times its rope scaling factor.
-    assert context_length(SimpleNamespace(args=SimpleNamespace(
-        max_position_embeddings=4096, rope_scaling={"factor": 4.0, "type": "yarn"}))) == 16384
-    assert context_length(SimpleNamespace(args=SimpleNamespace(
-        text_config={"max_position_embeddings": 2048}))) == 2048
-    assert context_length(SimpleNamespace(args=SimpleNamespace())) is None
+    # The config's context, times its rope scaling factor; None where it
+    # does not say (mlx-lm's Mamba 2 arguments default to 2056).
+    assert context_length({"max_position_embeddings": 4096,
+                           "rope_scaling": {"factor": 4.0, "type": "yarn"}}) == 16384
+    assert context_length({"text_config": {"max_position_embeddings": 2048}}) == 2048
+    assert context_length({"model_type": "mamba2"}) is None and context_length(None) is None
 
     built, build = [], engine_module.build_prompt
     monkeypatch.setattr(engine_module, "build_prompt",
@@ -475,9 +488,9 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
     runner = EngineRunner(fixture_path("qwen3"), max_bytes=0)
     try:
         assert runner.loaded.context_length == 32768
-        big = {"messages": [{"role": "user", "content": "x" * (16 * 32768 - 3)}]}
-        with pytest.raises(Exception, match="524289 characters long"):  # ("user")
-            runner.submit(big).result()
+        n = 32 * 32768 + 1 - len("roleusercontent")
+        with pytest.raises(Exception, match="1048577 characters long"):
+            runner.submit({"messages": [{"role": "user", "content": "x" * n}]}).result()
         assert built == []
         assert len(runner.run({"messages": [{"role": "user", "content": "hi"}],
                                "max_tokens": 2})[0]) == 2

@@ -93,3 +93,20 @@ def test_the_minimal_server_streams_what_ours_does(fixture_path, tmp_path, capsy
     theirs = report["workloads"]["overhead"]["median"]["theirs"]
     assert theirs["batch 4: decode tok/s"] > 0 and "error" not in theirs
     assert "## overhead" in capsys.readouterr().out
+
+
+def test_image_bodies_benchmark(fixture_path, capsys):
+    """benchmarks/image_bodies.py, short: both servers refuse the bodies it
+    posts after parsing them (a 400 each), with a stream running."""
+    from benchmarks.image_bodies import main as image_bodies
+
+    model = str(fixture_path("qwen3"))
+    report = image_bodies(["--model", model, "--rounds", "1", "--bodies", "1",
+                           "--images", "2", "--image-mb", "0.2"])
+    for name in ("ours", "upstream"):
+        (run,) = report["runs"][name]
+        assert run["statuses"] == [400] and run["max_gap_ms"] > 0, run
+    assert "largest gap, ours / upstream" in capsys.readouterr().out
+    report = image_bodies(["--model", model, "--rounds", "1", "--bodies", "1",
+                           "--images", "2", "--image-mb", "0.2", "--mode", "check"])
+    assert list(report["runs"]) == ["ours"] and report["runs"]["ours"][0]["statuses"] == [400]

@@ -69,3 +69,50 @@ def test_same_errors_as_json_loads(monkeypatch, raw):
     with pytest.raises(BodyError) as whole:
         parse_body(raw)
     assert str(cut.value) == str(whole.value)
+
+
+def test_bodies_unlike_a_few_images_are_parsed_whole(monkeypatch):
+    """Putting payloads back walks the skeleton in Python, and each place
+    searched is a turn of a loop: a large skeleton, or many places, and the
+    body is parsed whole (still json.loads's value)."""
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(bodies.json, "loads", lambda text: parsed.append(len(text)) or loads(text))
+    url = image_url(100_000)
+    for body in [{"items": [0] * 600_000, "url": url},
+                 {"small": [";base64,QUJD"] * (bodies.MAX_PLACES + 1), "url": url}]:
+        raw = json.dumps(body).encode()
+        parsed.clear()
+        assert parse_body(raw) == body and parsed == [len(raw)]
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_b64decode_in_pieces_is_base64s(monkeypatch, validate):
+    """Images are decoded a piece at a time (binascii holds the GIL for a
+    whole call, ~2 ms a MB): the bytes, and the errors, of one call."""
+    import binascii
+
+    from mlx_lm_plus.bodies import b64decode
+
+    monkeypatch.setattr(bodies, "B64_PIECE_CHARS", 8)
+    calls = []
+    whole = base64.b64decode
+    monkeypatch.setattr(bodies.base64, "b64decode",
+                        lambda d, validate=False: calls.append(len(d)) or whole(d, validate=validate))
+    data = [base64.b64encode(os.urandom(n)).decode() for n in (0, 1, 2, 3, 5, 6, 40, 41, 42)]
+    for text in data + [t + "\n" for t in data] + [t.encode() for t in data]:
+        calls.clear()
+        assert b64decode(text, validate=validate if "\n" not in str(text) else False) == whole(
+            text, validate=validate if "\n" not in str(text) else False)
+    calls.clear()
+    b64decode(data[6], validate=validate)
+    assert len(calls) == 7  # (40 bytes: 56 characters, 8 a piece)
+    for bad in ["QUJD" * 4 + "QU=D" + "QUJD" * 4, "QUJD" * 4 + "@@@@" + "QUJD", "QUJD" * 4 + "Q",
+                "QUJDRA==" + "QUJD" * 4, "QUJD" * 3 + "é" * 4]:
+        try:
+            expected = whole(bad, validate=validate)
+        except (binascii.Error, ValueError) as e:
+            with pytest.raises(type(e)):
+                b64decode(bad, validate=validate)
+        else:
+            assert b64decode(bad, validate=validate) == expected

@@ -660,6 +660,11 @@ def test_json_size_is_the_json_length_without_writing_it():
     for value in values:
         assert json_size(value) == len(json.dumps(value, ensure_ascii=False).encode()), value
     assert json_size("a\nb") < len(json.dumps("a\nb"))
+    # Deeper than Python recurses (tool schemas): every level is '{"p": ' and '}'.
+    deep = {}
+    for _ in range(5000):
+        deep = {"p": deep}
+    assert json_size(deep) == 5000 * len('{"p": }') + 2
 
 
 def test_output_messages_of_empty_output():
