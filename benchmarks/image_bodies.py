@@ -28,6 +28,7 @@ import base64
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +53,22 @@ def image_body(images: int, image_mb: float, refused: bool) -> bytes:
     return json.dumps(body).encode()
 
 
+POSTER = """
+import json, sys, urllib.error, urllib.request
+url, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+body, statuses = open(path, "rb").read(), []
+for _ in range(n):
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as r:
+            statuses.append(r.status)
+    except urllib.error.HTTPError as e:
+        statuses.append(e.code)
+print(json.dumps(statuses))
+"""
+
+
 async def measure(url: str, body: bytes, bodies: int) -> dict:
     arrivals, window, statuses, health = [], [], [], []
     posting_done = asyncio.Event()
@@ -67,14 +84,19 @@ async def measure(url: str, body: bytes, bodies: int) -> dict:
                     break
 
     async def post(session):
-        while len(arrivals) < 20:
-            await asyncio.sleep(0.01)
-        window.append(time.perf_counter())
-        for _ in range(bodies):
-            async with session.post(url + "/v1/chat/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as r:
-                statuses.append(r.status)
-                await r.read()
+        # From another process: sending 100 MB from this one would stall
+        # the stream's reader here, whichever server it reads.
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            f.write(body)
+            f.flush()
+            while len(arrivals) < 20:
+                await asyncio.sleep(0.01)
+            window.append(time.perf_counter())
+            poster = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", POSTER, url, f.name, str(bodies),
+                stdout=asyncio.subprocess.PIPE)
+            out, _ = await poster.communicate()
+        statuses.extend(json.loads(out))
         window.append(time.perf_counter())
         posting_done.set()
 
