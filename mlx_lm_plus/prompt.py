@@ -44,20 +44,26 @@ UNKNOWN_CONTEXT = 1 << 20
 DEFAULT_ROLE_CHARS = 160
 
 
-def _chars(value, skip_images: bool) -> int:
+def _chars(value, skip_images: bool, as_repr: bool = False) -> int:
     """Characters of the strings in `value`, dict keys included, image
-    parts aside when `skip_images` (a walk: nesting depth is the client's)."""
+    parts aside when `skip_images` (a walk: nesting depth is the client's).
+    `as_repr`: at most what repr(value) writes (a character of a string
+    as up to 10, `\\U000e0001`, and the punctuation)."""
     n, stack = 0, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            n += len(v)
+            n += 10 * len(v) + 2 if as_repr else len(v)
         elif isinstance(v, dict):
             if not (skip_images and v.get("type") in ("image_url", "image", "input_image")):
+                n += 4 * len(v) + 2 if as_repr else 0
                 stack += v.keys()
                 stack += v.values()
         elif isinstance(v, (list, tuple)):
+            n += 2 * len(v) + 2 if as_repr else 0
             stack += v
+        elif as_repr:
+            n += len(repr(v))
     return n
 
 
@@ -73,6 +79,9 @@ def prompt_chars(request: CompletionRequest, template_args: Dict[str, Any],
     n = (_chars(request.messages, has_chat_template) + _chars(request.tools, False)
          + _chars(template_args, False))
     if not has_chat_template:
+        # (upstream's plain format writes a list of parts as its repr)
+        n += sum(_chars(m.get("content"), False, as_repr=True) for m in request.messages
+                 if isinstance(m, dict) and isinstance(m.get("content"), list))
         mapping = request.role_mapping
         per_message = (2 * max((len(v) for v in mapping.values() if isinstance(v, str)),
                                default=0) if mapping else DEFAULT_ROLE_CHARS)

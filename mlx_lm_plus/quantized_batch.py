@@ -86,7 +86,8 @@ def supports_quantized_batching(model, group_size: int) -> bool:
         return False
     try:
         # One token through the model, for the shapes of its keys and
-        # values: MLX is lazy and nothing is evaluated.
+        # values: MLX is lazy and nothing is evaluated (but by a model whose
+        # call evaluates, as dbrx's routing does: one token's step, once).
         model(mx.array([[0]]), cache=cache)
     except Exception:
         return False

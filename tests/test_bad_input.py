@@ -465,6 +465,13 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
     assert plain >= sum(map(len, strings)) + len(url) + 2 * DEFAULT_ROLE_CHARS
     mapped = CompletionRequest("chat", "", messages * 8, None, {"user": "u" * 1000})
     assert prompt_chars(mapped, {}, False) >= 9 * 2000
+    # ... a list of parts as its repr, which writes a character as up to 10.
+    from mlx_lm.server import convert_chat
+
+    for c in ("a", "\x01", "\U000e0001", "'"):
+        parts = [{"type": "text", "text": c * 1000, "n": 12345}] * 3
+        listed = CompletionRequest("chat", "", [{"role": "user", "content": parts}], None, None)
+        assert prompt_chars(listed, {}, False) >= len(convert_chat(listed.messages))
     # Nesting as deep as a body may have is walked, not recursed into.
     deep = [["x"]]
     for _ in range(100_000):
