@@ -30,7 +30,7 @@ _BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 # What stands for payload i in the parsed skeleton: a nonce no client knows,
 # and a fixed width.
 _MARK = "mlxplus" + uuid.uuid4().hex
-_MARK_BYTES = len(_MARK) + 8
+_MARK_CHARS = len(_MARK) + 8
 
 
 # Base64 decoded in pieces of this many characters (~2 ms each).
@@ -42,6 +42,8 @@ class BodyError(ValueError):
 
 
 def parse_body(raw: bytes) -> Any:
+    """json.loads(raw) (BodyError where it fails), with large base64
+    payloads cut out of the bytes first and put back as strings."""
     payloads: List[bytes] = []
     pieces, pos, end = [], 0, 0  # (pos: copied up to; end: searched up to)
     for _ in range(MAX_PLACES):
@@ -92,8 +94,8 @@ def _put_back(value: Any, payloads: List[bytes]) -> Any:
     if isinstance(value, str):
         at = value.find(_MARK)
         while at >= 0:
-            i = int(value[at + len(_MARK):at + _MARK_BYTES])
-            value = value[:at] + payloads[i].decode("ascii") + value[at + _MARK_BYTES:]
+            i = int(value[at + len(_MARK):at + _MARK_CHARS])
+            value = value[:at] + payloads[i].decode("ascii") + value[at + _MARK_CHARS:]
             at = value.find(_MARK, at + len(payloads[i]))
         return value
     if isinstance(value, dict):
