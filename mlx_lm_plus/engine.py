@@ -925,9 +925,9 @@ class Engine:
             return None
         images = request.request_type == "chat" and any(_image_parts(request.messages))
         # (A model without a processor refuses images here, in planning.)
-        if images and lm.processor is not None and (
-                not _serves_images(lm)
-                or len(self._image_plans) >= self.cli_args.prompt_concurrency):
+        if images and (_own_vision(lm) or (
+                _serves_images(lm)
+                and len(self._image_plans) >= self.cli_args.prompt_concurrency)):
             return None
         self._planning_since = time.monotonic()  # watched, as the generation thread is
         try:
@@ -1017,7 +1017,7 @@ class Engine:
             and (self.cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching", lambda: self._on_every_rank(
                      supports_quantized_batching(lm.model, self.cli_args.kv_group_size))))
-            and (_vision(lm) is not None or lm.processor is None or not (
+            and (not _own_vision(lm) or not (
                 request.request_type == "chat" and any(_image_parts(request.messages))))
         )
 
@@ -1751,8 +1751,8 @@ class Engine:
         never run between batch steps). None: not answerable here (that
         model not loaded, or images for one of mlx-lm's own vision models)."""
         lm = self.model_provider.get(self.model_provider.key_for(args.model))
-        if lm is None or (request.request_type == "chat" and lm.processor is not None
-                          and not _serves_images(lm) and any(_image_parts(request.messages))):
+        if lm is None or (_own_vision(lm) and request.request_type == "chat"
+                          and any(_image_parts(request.messages))):
             return None
         # A copy: templating converts the messages in place (the decoded
         # images are only read: not copied).
@@ -2027,6 +2027,14 @@ def _serves_images(lm) -> bool:
     """Whether a loaded model takes image parts (through mlx-vlm, batched by
     vision.py or one at a time by vlm_generation.py)."""
     return isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))
+
+
+def _own_vision(lm) -> bool:
+    """Whether a loaded model is one of mlx-lm's own vision models (a
+    processor, not mlx-vlm's): their image requests are planned at
+    admission and served one at a time, as upstream does. (A model without
+    a processor refuses images when they are planned.)"""
+    return lm.processor is not None and not _serves_images(lm)
 
 
 def _vision(lm) -> Optional[VisionSupport]:
