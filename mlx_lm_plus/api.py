@@ -23,6 +23,7 @@ from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
 from .bodies import BodyError, parse_body
 from .cache import READ_AHEAD_SECONDS
+from .connections import HEAD_SECONDS, ConnectionLimit, default_max_open
 from .constraints import (
     ConstraintError,
     ConstraintUnavailable,
@@ -50,7 +51,9 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 # are read as sent, never decompressed, as upstream's http.server did; a
 # compressed one gets a 415 (Server._read_body) instead of a bomb, a parser's
 # text 400, or a half-sent stream that never ends.
-RUNNER_OPTIONS = {"auto_decompress": False}
+# A connection gets connections.HEAD_SECONDS for a request's head (aiohttp's
+# keepalive_timeout, 3,630 s by default in an AppRunner).
+RUNNER_OPTIONS = {"auto_decompress": False, "keepalive_timeout": HEAD_SECONDS}
 # Bodies larger than this are decoded and parsed in an executor.
 LARGE_BODY_BYTES = 256 << 10
 # Bodies still coming are not counted in flight: a client that never sends
@@ -150,6 +153,8 @@ class Server:
             1, thread_name_prefix="mlx_lm_plus-planning")
         # Wire protocols beyond chat completions, by the paths they serve.
         self.protocols: List[WireProtocol] = []
+        # Open connections, and room for new ones (connections.py).
+        self.connections = ConnectionLimit(default_max_open())
 
     def add_protocol(self, protocol: WireProtocol) -> None:
         self.protocols.append(protocol)
@@ -381,7 +386,10 @@ class Server:
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
                      "receiving_bodies": self.reading,
-                     "receiving_bytes": self.receiving_bytes},
+                     "receiving_bytes": self.receiving_bytes,
+                     "connections": self.connections.open_connections(),
+                     "max_connections": self.connections.max_open,
+                     "connections_closed_for_room": self.connections.closed},
             "memory": engine.memory(),
             "models": engine.models(),
             "cache": cache["cache"],
@@ -1118,7 +1126,8 @@ def _status_of(error: Exception) -> int:
 
 def make_app(server: Server) -> web.Application:
     limit = getattr(server.cli_args, "max_request_bytes", None) or 1024**3
-    app = web.Application(client_max_size=limit)
+    app = web.Application(client_max_size=limit,
+                          middlewares=[server.connections.middleware])
     # Every path, newlines included (`.` stops at one: /v1/models/%0A would
     # get aiohttp's own text 404).
     app.router.add_route("*", r"/{tail:[\s\S]*}", server.dispatch)

@@ -14,6 +14,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from .anthropic_api import AnthropicProtocol
 from .api import RUNNER_OPTIONS, Server, make_app
 from .cache import PromptStore, default_budget
+from .connections import LimitedRunner
 from .engine import HANG_EXIT_STATUS, Engine
 from .metrics import Metrics
 from .models import ModelProvider, resolve_default_model
@@ -48,7 +49,8 @@ def build(cli_args):
         ttl=cli_args.responses_store_ttl or None,
     ))
     if not cli_args.disable_metrics:
-        server.metrics = Metrics(engine, in_flight=lambda: server.in_flight)
+        server.metrics = Metrics(engine, in_flight=lambda: server.in_flight,
+                                 connections=server.connections)
         engine.metrics = server.metrics
     return engine, server
 
@@ -66,8 +68,9 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
     # handler cancels its request in the engine). aiohttp's own shutdown
     # waits its timeout twice (before and after cancelling): it is only
     # given the grace.
-    runner = web.AppRunner(
+    runner = LimitedRunner(
         make_app(server),
+        server.connections,
         handler_cancellation=True,
         access_log=None,
         **RUNNER_OPTIONS,

@@ -119,6 +119,14 @@ class _LiveCollector:
             (GaugeMetricFamily, "requests_active",
              "Requests in the batch or being served sequentially", engine.active_requests),
         ]
+        if m.connections is not None:
+            single += [
+                (GaugeMetricFamily, "http_connections", "Open HTTP connections",
+                 m.connections.open_connections()),
+                (CounterMetricFamily, "http_connections_closed_for_room",
+                 "Connections without a request in progress closed to let a new one in",
+                 m.connections.closed),
+            ]
         for family, name, doc, value in single:
             f = family(f"{PREFIX}_{name}", doc)
             f.add_metric([], value)
@@ -217,9 +225,10 @@ class _LiveCollector:
 class Metrics:
     """The server's metrics registry, recent requests and time series."""
 
-    def __init__(self, engine, in_flight=lambda: 0, clock=time.time):
+    def __init__(self, engine, in_flight=lambda: 0, clock=time.time, connections=None):
         self.engine = engine
         self.in_flight = in_flight
+        self.connections = connections  # (a ConnectionLimit)
         self._clock = clock
         self.registry = CollectorRegistry()
         r = self.registry

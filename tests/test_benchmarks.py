@@ -110,3 +110,16 @@ def test_image_bodies_benchmark(fixture_path, capsys):
     report = image_bodies(["--model", model, "--rounds", "1", "--bodies", "1",
                            "--images", "2", "--image-mb", "0.2", "--mode", "check"])
     assert list(report["runs"]) == ["ours"] and report["runs"]["ours"][0]["statuses"] == [400]
+
+
+def test_slow_heads_benchmark(fixture_path):
+    """benchmarks/slow_heads.py, short: with a few connections held, each
+    server answers /health and keeps them (the lockout takes ~2,000)."""
+    from benchmarks.slow_heads import main as slow_heads
+
+    runs = slow_heads(["--model", str(fixture_path("qwen3")), "--connections", "20",
+                       "--probes", "1"])
+    for name in ("ours", "upstream"):
+        (run,) = runs[name]
+        assert run == {"opened": 20, "answered": 1, "probes": 1, "median_ms": run["median_ms"],
+                       "held_still_open": 20}, (name, run)

@@ -117,6 +117,8 @@ def test_counters_and_histograms_after_a_scripted_sequence(server):
     assert value(m, "cache_entries") == cache["entries"]
     assert value(m, "engine_healthy") == 1 and value(m, "engine_restarts_total") == 0
     assert value(m, "requests_in_flight") == 0
+    assert value(m, "http_connections") >= 1  # (the scrape's own)
+    assert value(m, "http_connections_closed_for_room_total") == 0
     assert value(m, "mlx_memory_bytes", kind="active") > 0
 
     # /v1/stats: the same totals as JSON, the requests, a time series.
