@@ -142,6 +142,8 @@ class Server:
         self.reading = 0
         self.receiving_bytes = 0  # (of bodies being read or parsed)
         self.body_progress_at = 0.0  # (loop time) when a body's bytes last came
+        # id -> request, whose body is coming (stop_receiving)
+        self._receiving_from = {}
         # Set at shutdown: new completions get 503 and their connections close.
         self.stopping = False
         self.metrics = metrics
@@ -462,6 +464,7 @@ class Server:
         bound = max(RECEIVING_BYTES, 2 * limit)
         loop = asyncio.get_running_loop()
         start, raw = loop.time(), bytearray()
+        self._receiving_from[id(request)] = request
         try:
             while len(raw) < length:
                 deadline = start + BODY_IDLE_SECONDS + len(raw) / BODY_MIN_RATE
@@ -475,6 +478,9 @@ class Server:
                     raise RequestError(f"The request body came too slowly ({len(raw)} of "
                                        f"{length} bytes in {loop.time() - start:.0f} s)",
                                        408) from None
+                except _StopReceiving:
+                    raise RequestError(f"server shutting down: the request body was still "
+                                       f"coming ({len(raw)} of {length} bytes)", 503) from None
                 if not chunk:
                     raise RequestError(f"The request body ended after {len(raw)} of "
                                        f"{length} bytes (Content-Length)", 400)
@@ -489,7 +495,16 @@ class Server:
             if isinstance(e, (web.HTTPException, web.RequestPayloadError)):
                 raise RequestError(f"Could not read the request body: {e}", 400) from e
             raise
+        finally:
+            del self._receiving_from[id(request)]
         return raw
+
+    def stop_receiving(self) -> None:
+        """At shutdown, once --shutdown-timeout is over: bodies still coming
+        are answered with a 503 (else the runner's cleanup would cut their
+        connections with no answer)."""
+        for request in list(self._receiving_from.values()):
+            request.content.set_exception(_StopReceiving())
 
     async def _decode_images(self, req, model):
         """Decode, scale down and fingerprint a request's images in an
@@ -1122,6 +1137,10 @@ def _status_of(error: Exception) -> int:
     # Upstream answers 404 for anything raised before generation starts,
     # mostly a model that could not be loaded (ModelLoadError).
     return 404
+
+
+class _StopReceiving(Exception):
+    """A body being read is given up (Server.stop_receiving)."""
 
 
 def make_app(server: Server) -> web.Application:

@@ -93,6 +93,9 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event):
         # still coming on every connection, bodies being uploaded included).
         server.stopping = True
         await _drain(server, server.cli_args.shutdown_timeout)
+        # Bodies still coming get a 503 each (the runner's cleanup waits
+        # for their handlers, up to the grace, before it closes anything).
+        server.stop_receiving()
         if server.in_flight:
             server.engine.stop()  # (answers what it holds: EngineUnavailable)
             await _drain(server, SHUTDOWN_GRACE)

@@ -364,3 +364,50 @@ def test_prompts_are_planned_before_the_generation_thread(server):
     after = server.get("/v1/stats")[1]["engine"]
     assert after["admitted_requests"] == before["admitted_requests"] + 3
     assert after["planned_at_admission"] == before["planned_at_admission"]
+
+
+def test_a_body_still_coming_at_shutdown_gets_a_503(fixture_path, tmp_path):
+    """A body still being uploaded when --shutdown-timeout is over gets a
+    503 "server shutting down" (the connection closes after it), not a
+    connection cut with no answer; the process exits 0."""
+    import os
+    import signal
+    import socket
+    import time
+
+    s = ServerProcess(OURS, ["--model", str(fixture_path("qwen3")), "--shutdown-timeout", "1"],
+                      log=tmp_path / "server.log").start()
+    try:
+        upload = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        upload.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: 100000\r\n\r\n{")
+        time.sleep(0.3)
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        answer = b""
+        deadline = time.time() + 15
+        while time.time() < deadline:  # (a byte every 0.2 s: the drain waits for it)
+            try:
+                upload.sendall(b" ")
+            except OSError:
+                break
+            upload.settimeout(0.2)
+            try:
+                chunk = upload.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        upload.settimeout(5)
+        try:
+            while chunk := upload.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert b"server shutting down" in answer and b"Connection: close" in answer
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop()
