@@ -142,8 +142,6 @@ class Server:
         self.reading = 0
         self.receiving_bytes = 0  # (of bodies being read or parsed)
         self.body_progress_at = 0.0  # (loop time) when a body's bytes last came
-        # id -> request, whose body is coming (stop_receiving)
-        self._receiving_from = {}
         # Set at shutdown: new completions get 503 and their connections close.
         self.stopping = False
         self.metrics = metrics
@@ -464,23 +462,32 @@ class Server:
         bound = max(RECEIVING_BYTES, 2 * limit)
         loop = asyncio.get_running_loop()
         start, raw = loop.time(), bytearray()
-        self._receiving_from[id(request)] = request
+        # Set when the body is given up: to make room for a new connection,
+        # or at shutdown (connections.py).
+        given_up = self.connections.receiving(request)
         try:
             while len(raw) < length:
                 deadline = start + BODY_IDLE_SECONDS + len(raw) / BODY_MIN_RATE
                 wait = min(BODY_IDLE_SECONDS, deadline - loop.time())
+                read = asyncio.ensure_future(
+                    request.content.read(min(1 << 20, length - len(raw))))
                 try:
-                    if wait <= 0:
-                        raise asyncio.TimeoutError
-                    chunk = await asyncio.wait_for(
-                        request.content.read(min(1 << 20, length - len(raw))), wait)
-                except asyncio.TimeoutError:
+                    if wait > 0:
+                        await asyncio.wait((read, given_up), timeout=wait,
+                                           return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not read.done():
+                        read.cancel()  # (its bytes stay in the stream)
+                    elif not read.cancelled():
+                        read.exception()  # (retrieved: the handler may be cancelled with it)
+                if given_up.done():
+                    raise RequestError(f"{given_up.result()}: the request body was still "
+                                       f"coming ({len(raw)} of {length} bytes)", 503)
+                if not read.done() or read.cancelled():
                     raise RequestError(f"The request body came too slowly ({len(raw)} of "
                                        f"{length} bytes in {loop.time() - start:.0f} s)",
-                                       408) from None
-                except _StopReceiving:
-                    raise RequestError(f"server shutting down: the request body was still "
-                                       f"coming ({len(raw)} of {length} bytes)", 503) from None
+                                       408)
+                chunk = read.result()
                 if not chunk:
                     raise RequestError(f"The request body ended after {len(raw)} of "
                                        f"{length} bytes (Content-Length)", 400)
@@ -496,15 +503,14 @@ class Server:
                 raise RequestError(f"Could not read the request body: {e}", 400) from e
             raise
         finally:
-            del self._receiving_from[id(request)]
+            self.connections.received(request)
         return raw
 
     def stop_receiving(self) -> None:
         """At shutdown, once --shutdown-timeout is over: bodies still coming
         are answered with a 503 (else the runner's cleanup would cut their
         connections with no answer)."""
-        for request in list(self._receiving_from.values()):
-            request.content.set_exception(_StopReceiving())
+        self.connections.give_up_bodies("server shutting down")
 
     async def _decode_images(self, req, model):
         """Decode, scale down and fingerprint a request's images in an
@@ -1137,10 +1143,6 @@ def _status_of(error: Exception) -> int:
     # Upstream answers 404 for anything raised before generation starts,
     # mostly a model that could not be loaded (ModelLoadError).
     return 404
-
-
-class _StopReceiving(Exception):
-    """A body being read is given up (Server.stop_receiving)."""
 
 
 def make_app(server: Server) -> web.Application:

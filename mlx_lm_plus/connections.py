@@ -13,11 +13,18 @@ server opens (the disk tier, a model being loaded).
 So a connection gets HEAD_SECONDS to send a request's head, from its opening
 or from its previous response, as with aiohttp's own `run_app` (its
 keepalive_timeout); and when the open connections reach `max_open`, a new
-one closes the connection that has waited longest without a request in
-progress (an idle keep-alive connection, or one still sending its head). A
-connection in a request (its body being read, its answer being written) is
-never closed for another: those are bounded by the body and write timeouts
-(api.py), and by --max-queued-requests.
+one makes room, taking first of these:
+  * the connection that has waited longest without a request in progress
+    (an idle keep-alive connection, one still sending its head, or one whose
+    answer its client is not reading), if it has waited NEW_GRACE seconds
+    (connections accepted together must not close one another before
+    their heads are read): aborted, its descriptor freed at once;
+  * the request whose body has been coming longest: answered 503 (its body
+    would hold the connection up to the body timeouts, api.py);
+  * none: a connection whose request was accepted is never closed for
+    another (at most --decode-concurrency + --max-queued-requests of them
+    are in flight); the new one is let in beyond the limit, into the
+    descriptors kept in reserve.
 """
 
 import asyncio
@@ -35,12 +42,14 @@ from aiohttp import web
 HEAD_SECONDS = 75.0
 # Descriptors kept for everything but counted connections: files the disk
 # tier writes and reads, its SQLite index, model files, pipes, logs; and
-# connections accepted and not yet counted, or closed and not yet let go (a
-# burst of new connections is accepted up to the listen backlog, 128, at
-# a time, and those closed to make room free their descriptors a loop
-# iteration later).
+# connections accepted and not yet counted, let in beyond the limit, or
+# given a 503 and not yet let go (a burst of new connections is accepted
+# up to the listen backlog, 128, at a time).
 FD_RESERVE = 512
-# Seconds between two warnings that every connection is in a request.
+# Seconds a connection waits before it can be closed to make room: a new
+# one's head is read within a loop iteration or two of its opening.
+NEW_GRACE = 0.25
+# Seconds between two warnings that no connection could make room.
 WARN_EVERY = 60.0
 
 
@@ -53,15 +62,21 @@ def default_max_open() -> int:
 
 
 class ConnectionLimit:
-    """The open connections in the order they last had nothing to do; those
-    in a request apart (not to be closed)."""
+    """The open connections: those without a request in progress in the
+    order they began to wait, those in a request apart; and the requests
+    whose bodies are coming, oldest first."""
 
-    def __init__(self, max_open: int):
+    def __init__(self, max_open: int, clock=time.monotonic):
         self.max_open = max_open
-        # RequestHandler -> None, least recently busy first
-        self.waiting: "OrderedDict[object, None]" = OrderedDict()
+        self.clock = clock
+        # RequestHandler -> when it began to wait, longest waiting first
+        self.waiting: "OrderedDict[object, float]" = OrderedDict()
         self.busy: Dict[object, int] = {}  # RequestHandler -> requests in progress
-        self.closed = 0  # connections closed to make room
+        # id(request) -> a future its handler waits on while its body comes
+        # (the reason it is given up, as its result), oldest first
+        self.bodies: "OrderedDict[int, asyncio.Future]" = OrderedDict()
+        self.given_up = set()  # id(request) whose body was given up, until answered
+        self.closed = 0  # connections closed, or bodies given up, to make room
         self._warned_at = float("-inf")
 
     def open_connections(self) -> int:
@@ -75,24 +90,54 @@ class ConnectionLimit:
     def opened(self, handler) -> None:
         if self.open_connections() >= self.max_open:
             self._make_room()
-        self.waiting[handler] = None
+        self.waiting[handler] = self.clock()
 
     def lost(self, handler) -> None:
         self.waiting.pop(handler, None)
         self.busy.pop(handler, None)
 
+    def receiving(self, request) -> asyncio.Future:
+        """A request's body is coming: the future its handler waits on
+        beside the body, given the reason when the body is given up (the
+        request is then answered with a 503, api.Server._receive)."""
+        given_up = self.bodies[id(request)] = asyncio.get_running_loop().create_future()
+        return given_up
+
+    def received(self, request) -> None:
+        self.bodies.pop(id(request), None)
+
+    def give_up_bodies(self, why: str) -> None:
+        """Every body still coming is given up (at shutdown)."""
+        while self.bodies:
+            self._give_up(why)
+
+    def _give_up(self, why: str) -> None:
+        request_id, given_up = self.bodies.popitem(last=False)
+        if not given_up.done():
+            self.given_up.add(request_id)
+            given_up.set_result(why)
+
     def _make_room(self) -> None:
-        if not self.waiting:
-            now = time.monotonic()
-            if now - self._warned_at >= WARN_EVERY:
-                self._warned_at = now
-                logging.warning(f"{self.open_connections()} connections open, each in a "
-                                f"request: a new one is accepted beyond the limit "
-                                f"({self.max_open})")
+        if self.waiting:
+            handler, since = next(iter(self.waiting.items()))
+            if self.clock() - since >= NEW_GRACE:
+                del self.waiting[handler]
+                self.closed += 1
+                # Aborted, not closed: a close keeps the descriptor until
+                # the client has read what was written to it.
+                if handler.transport is not None:
+                    handler.transport.abort()
+                handler.force_close()
+                return
+        if self.bodies:
+            self.closed += 1
+            self._give_up(f"Server busy: {self.open_connections()} connections open")
             return
-        handler, _ = self.waiting.popitem(last=False)
-        self.closed += 1
-        handler.force_close()  # (its loss comes later: it is no longer counted)
+        now = self.clock()
+        if now - self._warned_at >= WARN_EVERY:
+            self._warned_at = now
+            logging.warning(f"{self.open_connections()} connections open and none to close: "
+                            f"a new one is let in beyond the limit ({self.max_open})")
 
     @web.middleware
     async def middleware(self, request, handler):
@@ -102,13 +147,26 @@ class ConnectionLimit:
             self.waiting.pop(connection, None)
             self.busy[connection] = self.busy.get(connection, 0) + 1
         try:
-            return await handler(request)
+            response = await handler(request)
+            if id(request) in self.given_up and response is not None:
+                # Its 503 written out, then the connection closed: the rest
+                # of its body is not read (aiohttp would read it for up to
+                # 10 s before closing), and it is counted no more.
+                if not response.prepared:
+                    await response.prepare(request)
+                    await response.write_eof()
+                connection.force_close()
+            return response
         finally:
+            self.given_up.discard(id(request))
             left = self.busy.get(connection, 0) - 1
             if left > 0:
                 self.busy[connection] = left
-            elif counted and self.busy.pop(connection, None) is not None:
-                self.waiting[connection] = None  # (now the most recent)
+            elif (counted and self.busy.pop(connection, None) is not None
+                  and connection.transport is not None):
+                # (Its answer may still be being written: if its client
+                # doesn't read it, the connection is one to close.)
+                self.waiting[connection] = self.clock()
 
 
 class _Counted(asyncio.Protocol):

@@ -5,10 +5,11 @@ request is closed for a new one, never one in a request."""
 
 import asyncio
 import socket
+import threading
 
 from mlx_lm_plus import app as app_module
 from mlx_lm_plus.api import RUNNER_OPTIONS, Server
-from mlx_lm_plus.connections import HEAD_SECONDS, ConnectionLimit, default_max_open
+from mlx_lm_plus.connections import HEAD_SECONDS, NEW_GRACE, ConnectionLimit, default_max_open
 from mlx_lm_plus.server import parse_args
 from tests.test_api import ScriptedEngine, ctx, tokens
 
@@ -69,17 +70,30 @@ async def _closed(reader, within: float) -> bool:
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"
 
 
+def _held_completion():
+    """An engine whose first completion waits until `release` is set."""
+    release = threading.Event()
+    engine = _Engine([ctx(), lambda channel: release.wait(30), *tokens("ok", "")])
+    return engine, release
+
+
+COMPLETION = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n")
+BODY = b'{"messages": [{"role": "user", "content": "hi"}]}'
+
+
 async def test_a_connection_without_a_request_makes_room_for_a_new_one():
-    server = _server(_Engine([ctx(), *tokens("ok", "")]))
+    engine, release = _held_completion()
+    server = _server(engine)
     server.connections.max_open = 4
     port, stop, task = await _serving(server)
     try:
-        body = b'{"messages": [{"role": "user", "content": "hi"}]}'
-        # In a request: its body still coming (oldest of all).
-        busy = await _open(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                                 b"Content-Type: application/json\r\nContent-Length: %d"
-                                 b"\r\n\r\n" % len(body) + body[:5])
-        await asyncio.sleep(0.1)
+        # In a request (oldest of all): a completion being generated.
+        busy = await _open(port, COMPLETION % len(BODY) + BODY)
+        for _ in range(100):
+            if engine.channels:
+                break
+            await asyncio.sleep(0.02)
         # Half-sent heads, then one opened before them that had a request
         # since: it waited least.
         idle = await _open(port, b"")
@@ -88,6 +102,7 @@ async def test_a_connection_without_a_request_makes_room_for_a_new_one():
         idle[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"200" in await asyncio.wait_for(idle[0].readline(), 5)
         assert server.connections.open_connections() == 4
+        await asyncio.sleep(NEW_GRACE)
 
         # A fifth: the half head sent first goes.
         fifth = await _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -98,13 +113,13 @@ async def test_a_connection_without_a_request_makes_room_for_a_new_one():
         assert server.connections.closed == 1
 
         # More: the others without a request go, oldest first, never the
-        # one in a request, whose body then comes and is answered.
+        # one in a request, which is then answered.
         more = []  # (held: a writer collected closes its connection)
         for expected in (halves[1], idle, fifth):
+            await asyncio.sleep(NEW_GRACE)
             more.append(await _open(port, HALF_HEAD))
             assert await _closed(expected[0], 2)
-        busy[1].write(body[5:])
-        await busy[1].drain()
+        release.set()
         status = await asyncio.wait_for(busy[0].readline(), 5)
         assert status.startswith(b"HTTP/1.1 200"), status
         assert server.connections.closed == 4
@@ -112,27 +127,99 @@ async def test_a_connection_without_a_request_makes_room_for_a_new_one():
         for _, writer in more:
             writer.close()
     finally:
+        release.set()
         stop.set()
         await asyncio.wait_for(task, 30)
 
 
-async def test_every_connection_in_a_request_lets_a_new_one_in(caplog):
-    """With no connection to close, a new one is still served (beyond the
-    limit, with a warning)."""
-    server = _server(_Engine([ctx(), *tokens("ok", "")]))
+async def test_a_body_that_is_not_coming_makes_room_with_a_503():
+    """Heads of requests whose bodies never come are not requests in
+    progress: with no connection idle, the body waited on longest is given
+    up (a 503), and a new connection is served."""
+    server = _server(_Engine())
+    server.connections.max_open = 3
+    port, stop, task = await _serving(server)
+    try:
+        bodies = []
+        for _ in range(3):
+            bodies.append(await _open(port, COMPLETION % 100 + b"{"))
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(NEW_GRACE)
+        reader, writer = await _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in await asyncio.wait_for(reader.readline(), 5)
+        answer = await asyncio.wait_for(bodies[0][0].read(4096), 5)
+        assert answer.startswith(b"HTTP/1.1 503") and b"Server busy" in answer, answer
+        assert b"the request body was still coming" in answer
+        assert await _closed(bodies[0][0], 1)  # (at once: the rest of its body isn't read)
+        for other in bodies[1:]:
+            assert not await _closed(other[0], 0.1)
+        assert server.connections.closed == 1
+        for _, w in [*bodies, (reader, writer)]:
+            w.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_connections_opened_together_are_served_when_none_can_make_room(caplog):
+    """Every connection in a request: new ones are let in beyond the limit
+    (with a warning), and those opened together don't close one another
+    before their heads are read."""
+    engine, release = _held_completion()
+    server = _server(engine)
     server.connections.max_open = 1
     port, stop, task = await _serving(server)
     try:
-        busy = await _open(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                                 b"Content-Type: application/json\r\nContent-Length: 50"
-                                 b"\r\n\r\n{")
-        await asyncio.sleep(0.1)
-        reader, writer = await _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert b"200" in await asyncio.wait_for(reader.readline(), 5)
-        assert "each in a request" in caplog.text
-        assert not await _closed(busy[0], 0.2)
-        writer.close()
-        busy[1].close()
+        busy = await _open(port, COMPLETION % len(BODY) + BODY)
+        for _ in range(100):
+            if engine.channels:
+                break
+            await asyncio.sleep(0.02)
+        together = await asyncio.gather(*[
+            _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(8)])
+        for reader, _ in together:
+            assert b"200" in await asyncio.wait_for(reader.readline(), 5)
+        assert server.connections.closed == 0
+        assert "none to close" in caplog.text
+        release.set()
+        assert (await asyncio.wait_for(busy[0].readline(), 5)).startswith(b"HTTP/1.1 200")
+        for _, writer in [*together, busy]:
+            writer.close()
+    finally:
+        release.set()
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_connection_closed_for_room_frees_its_descriptor_at_once():
+    """A connection whose client reads none of its answers is closed for
+    room at once (aborted): a close would keep its socket until the client
+    read what was written."""
+    server = _server(_Engine())
+    server.connections.max_open = 2
+    port, stop, task = await _serving(server)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n" * 300)
+        await asyncio.sleep(0.5)  # (its answers fill both buffers)
+        (stuck,) = server.connections.waiting
+        assert stuck.transport.get_write_buffer_size() > 0
+        stuck_socket = stuck.transport.get_extra_info("socket")
+        await asyncio.sleep(NEW_GRACE)
+        other = await _open(port, HALF_HEAD)
+        new = await _open(port, HALF_HEAD)  # (the third: room is made)
+        for _ in range(50):
+            if stuck_socket.fileno() == -1:
+                break
+            await asyncio.sleep(0.02)
+        assert stuck_socket.fileno() == -1, "the socket is still held"
+        assert server.connections.closed == 1
+        for w in (writer, other[1], new[1]):
+            w.close()
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
