@@ -82,18 +82,23 @@ COMPLETION = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
 BODY = b'{"messages": [{"role": "user", "content": "hi"}]}'
 
 
+async def _in_flight(port, engine):
+    """A connection in a request: a completion the engine is generating."""
+    connection = await _open(port, COMPLETION % len(BODY) + BODY)
+    for _ in range(100):
+        if engine.channels:
+            break
+        await asyncio.sleep(0.02)
+    return connection
+
+
 async def test_a_connection_without_a_request_makes_room_for_a_new_one():
     engine, release = _held_completion()
     server = _server(engine)
     server.connections.max_open = 4
     port, stop, task = await _serving(server)
     try:
-        # In a request (oldest of all): a completion being generated.
-        busy = await _open(port, COMPLETION % len(BODY) + BODY)
-        for _ in range(100):
-            if engine.channels:
-                break
-            await asyncio.sleep(0.02)
+        busy = await _in_flight(port, engine)  # (oldest of all)
         # Half-sent heads, then one opened before them that had a request
         # since: it waited least.
         idle = await _open(port, b"")
@@ -170,11 +175,7 @@ async def test_connections_opened_together_are_served_when_none_can_make_room(ca
     server.connections.max_open = 1
     port, stop, task = await _serving(server)
     try:
-        busy = await _open(port, COMPLETION % len(BODY) + BODY)
-        for _ in range(100):
-            if engine.channels:
-                break
-            await asyncio.sleep(0.02)
+        busy = await _in_flight(port, engine)
         together = await asyncio.gather(*[
             _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(8)])
         for reader, _ in together:
