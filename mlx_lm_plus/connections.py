@@ -72,6 +72,9 @@ class ConnectionLimit:
         # RequestHandler -> when it began to wait, longest waiting first
         self.waiting: "OrderedDict[object, float]" = OrderedDict()
         self.busy: Dict[object, int] = {}  # RequestHandler -> requests in progress
+        # RequestHandler -> its asyncio transport, until the connection is
+        # lost (aiohttp forgets it at a close that still has bytes to send)
+        self.transports: Dict[object, asyncio.Transport] = {}
         # id(request) -> a future its handler waits on while its body comes
         # (the reason it is given up, as its result), oldest first
         self.bodies: "OrderedDict[int, asyncio.Future]" = OrderedDict()
@@ -87,14 +90,27 @@ class ConnectionLimit:
         counted from its opening to its loss."""
         return lambda: _Counted(make_handler(), self)
 
-    def opened(self, handler) -> None:
+    def opened(self, handler, transport) -> None:
         if self.open_connections() >= self.max_open:
             self._make_room()
         self.waiting[handler] = self.clock()
+        self.transports[handler] = transport
 
     def lost(self, handler) -> None:
         self.waiting.pop(handler, None)
         self.busy.pop(handler, None)
+        self.transports.pop(handler, None)
+
+    def _close(self, handler, abort: bool) -> None:
+        # Aborted where bytes are still to be sent: a close keeps the
+        # descriptor until the client has read them, and a client that
+        # reads nothing would keep it for good. (Also when aiohttp closed
+        # the connection itself, its keep-alive timer for one: the
+        # connection stays counted until its loss.)
+        transport = self.transports.get(handler)
+        if transport is not None and (abort or transport.get_write_buffer_size()):
+            transport.abort()
+        handler.force_close()
 
     def receiving(self, request) -> asyncio.Future:
         """A request's body is coming: the future its handler waits on
@@ -123,11 +139,7 @@ class ConnectionLimit:
             if self.clock() - since >= NEW_GRACE:
                 del self.waiting[handler]
                 self.closed += 1
-                # Aborted, not closed: a close keeps the descriptor until
-                # the client has read what was written to it.
-                if handler.transport is not None:
-                    handler.transport.abort()
-                handler.force_close()
+                self._close(handler, abort=True)
                 return
         if self.bodies:
             self.closed += 1
@@ -152,10 +164,15 @@ class ConnectionLimit:
                 # Its 503 written out, then the connection closed: the rest
                 # of its body is not read (aiohttp would read it for up to
                 # 10 s before closing), and it is counted no more.
-                if not response.prepared:
-                    await response.prepare(request)
-                    await response.write_eof()
-                connection.force_close()
+                response.force_close()  # (Connection: close)
+                transport = self.transports.get(connection)
+                if not response.prepared and transport is not None and not transport.is_closing():
+                    try:
+                        await response.prepare(request)
+                        await response.write_eof()
+                    except ConnectionError:
+                        pass  # (its client went away meanwhile)
+                self._close(connection, abort=False)
             return response
         finally:
             self.given_up.discard(id(request))
@@ -178,7 +195,7 @@ class _Counted(asyncio.Protocol):
         self.handler, self.limit = handler, limit
 
     def connection_made(self, transport):
-        self.limit.opened(self.handler)
+        self.limit.opened(self.handler, transport)
         self.handler.connection_made(transport)
 
     def connection_lost(self, exc):

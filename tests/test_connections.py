@@ -155,6 +155,7 @@ async def test_a_body_that_is_not_coming_makes_room_with_a_503():
         answer = await asyncio.wait_for(bodies[0][0].read(4096), 5)
         assert answer.startswith(b"HTTP/1.1 503") and b"Server busy" in answer, answer
         assert b"the request body was still coming" in answer
+        assert b"Connection: close" in answer
         assert await _closed(bodies[0][0], 1)  # (at once: the rest of its body isn't read)
         for other in bodies[1:]:
             assert not await _closed(other[0], 0.1)
@@ -264,3 +265,59 @@ def test_the_limit_leaves_descriptors_for_files(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 4096))
     assert default_max_open() == 192
     assert ConnectionLimit(5).open_connections() == 0
+
+
+async def test_bodies_given_up_as_their_clients_leave_log_no_error(caplog):
+    """At shutdown, bodies still coming are given up while their clients
+    close: a 503 that can't be written is no error."""
+    server = _server(_Engine())
+    port, stop, task = await _serving(server)
+    bodies = [await _open(port, COMPLETION % 100 + b"{") for _ in range(5)]
+    await asyncio.sleep(1.3)  # (none sent a byte in the last second: not waited for)
+    for _, writer in bodies:
+        writer.close()
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_a_connection_aiohttp_closed_with_answers_unread_is_aborted_for_room(monkeypatch):
+    """aiohttp's keep-alive timer closes a connection whose client reads
+    nothing, and forgets its transport, which keeps the socket until the
+    client reads: the connection stays counted, and making room aborts it."""
+    monkeypatch.setitem(RUNNER_OPTIONS, "keepalive_timeout", 1.0)
+    server = _server(_Engine())
+    port, stop, task = await _serving(server)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        # Answers that fill the socket's buffers, then one more at a time
+        # until some wait in the transport's (each answered: then idle).
+        writer.write(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n" * 150)
+        await asyncio.sleep(0.3)
+        (stuck,) = server.connections.waiting
+        for _ in range(400):
+            if stuck.transport.get_write_buffer_size():
+                break
+            writer.write(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.02)
+        stuck_socket = stuck.transport.get_extra_info("socket")
+        await asyncio.sleep(1.5)  # (past the keep-alive timer)
+        assert stuck.transport is None and stuck_socket.fileno() != -1  # (closed, held)
+        assert server.connections.open_connections() == 1
+        server.connections.max_open = 1
+        new = await _open(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in await asyncio.wait_for(new[0].readline(), 5)
+        for _ in range(50):
+            if stuck_socket.fileno() == -1:
+                break
+            await asyncio.sleep(0.02)
+        assert stuck_socket.fileno() == -1, "the socket is still held"
+        for w in (writer, new[1]):
+            w.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
