@@ -161,9 +161,10 @@ class ConnectionLimit:
         try:
             response = await handler(request)
             if id(request) in self.given_up and response is not None:
-                # Its 503 written out, then the connection closed: the rest
-                # of its body is not read (aiohttp would read it for up to
-                # 10 s before closing), and it is counted no more.
+                # Its 503 written out, then the connection closed (counted
+                # until it is gone, a loop iteration later): the rest of its
+                # body is not read (aiohttp would read it for up to 10 s
+                # before closing).
                 response.force_close()  # (Connection: close)
                 transport = self.transports.get(connection)
                 if not response.prepared and transport is not None and not transport.is_closing():
@@ -180,7 +181,7 @@ class ConnectionLimit:
             if left > 0:
                 self.busy[connection] = left
             elif (counted and self.busy.pop(connection, None) is not None
-                  and connection.transport is not None):
+                  and connection in self.transports):  # (not lost: counted, if closing)
                 # (Its answer may still be being written: if its client
                 # doesn't read it, the connection is one to close.)
                 self.waiting[connection] = self.clock()
