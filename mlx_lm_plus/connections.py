@@ -19,8 +19,9 @@ one makes room, taking first of these:
     answer its client is not reading), if it has waited NEW_GRACE seconds
     (connections accepted together must not close one another before
     their heads are read): aborted, its descriptor freed at once;
-  * the request whose body has been coming longest: answered 503 (its body
-    would hold the connection up to the body timeouts, api.py);
+  * the request whose body has been coming longest: answered 503, and its
+    connection closed (its body would hold the connection up to the body
+    timeouts, api.py);
   * none: a connection whose request was accepted is never closed for
     another (at most --decode-concurrency + --max-queued-requests of them
     are in flight); the new one is let in beyond the limit, into the

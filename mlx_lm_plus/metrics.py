@@ -124,7 +124,8 @@ class _LiveCollector:
                 (GaugeMetricFamily, "http_connections", "Open HTTP connections",
                  m.connections.open_connections()),
                 (CounterMetricFamily, "http_connections_closed_for_room",
-                 "Connections without a request in progress closed to let a new one in",
+                 "Connections closed, or request bodies given up (a 503), to let a new "
+                 "connection in",
                  m.connections.closed),
             ]
         for family, name, doc, value in single:
