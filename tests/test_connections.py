@@ -70,6 +70,16 @@ async def _closed(reader, within: float) -> bool:
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"
 
 
+async def _not_reading(port):
+    """A connection whose client reads nothing (a small receive buffer, so
+    the server's answers soon wait in its transport)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    return await asyncio.open_connection(sock=sock)
+
+
 def _held_completion():
     """An engine whose first completion waits until `release` is set."""
     release = threading.Event()
@@ -201,11 +211,7 @@ async def test_a_connection_closed_for_room_frees_its_descriptor_at_once():
     server.connections.max_open = 2
     port, stop, task = await _serving(server)
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await _not_reading(port)
         writer.write(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n" * 300)
         await asyncio.sleep(0.5)  # (its answers fill both buffers)
         (stuck,) = server.connections.waiting
@@ -289,11 +295,7 @@ async def test_a_connection_aiohttp_closed_with_answers_unread_is_aborted_for_ro
     server = _server(_Engine())
     port, stop, task = await _serving(server)
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", port))
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        reader, writer = await _not_reading(port)
         # Answers that fill the socket's buffers, then one more at a time
         # until some wait in the transport's (each answered: then idle).
         writer.write(b"GET /dashboard HTTP/1.1\r\nHost: x\r\n\r\n" * 150)
