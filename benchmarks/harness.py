@@ -164,6 +164,25 @@ def print_figures(figures: Dict[str, Any], json_path: Optional[str] = None) -> N
         Path(json_path).write_text(json.dumps(figures, indent=1))
 
 
+def alternate(servers: Dict[str, tuple], model: str, work: Path, rounds: int,
+              measure, describe) -> Dict[str, List[Any]]:
+    """Each round, each server in turn (A B A B ...), started fresh on
+    `model`: servers is {name: (launch command, extra arguments)};
+    `measure(server, round_index)` gives a round's figures, printed as
+    `describe(figures)`. Returns {name: [figures of each round]}."""
+    from compat.launch import ServerProcess
+
+    runs = {name: [] for name in servers}
+    for round_ in range(rounds):
+        for name, (command, extra) in servers.items():
+            with ServerProcess(command, ["--model", model, *extra],
+                               log=work / f"{name}.log") as server:
+                figures = measure(server, round_)
+            runs[name].append(figures)
+            print(f"round {round_ + 1} {name:>8}: {describe(figures)}", flush=True)
+    return runs
+
+
 def session(timeout: float = 1800) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout),

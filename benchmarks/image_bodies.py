@@ -122,8 +122,8 @@ async def measure(url: str, body: bytes, bodies: int) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, fixture_or_model
-    from compat.launch import OURS, UPSTREAM, ServerProcess
+    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from compat.launch import OURS, UPSTREAM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser, "qwen3")
@@ -145,18 +145,13 @@ def main(argv=None):
     servers = {"ours": (OURS, ours), "upstream": (UPSTREAM, [])}
     if args.mode == "check":
         del servers["upstream"]
-    runs = {name: [] for name in servers}
-    for round_ in range(args.rounds):
-        for name, (command, extra) in servers.items():
-            with ServerProcess(command, ["--model", model, *extra],
-                               log=work / f"{name}.log") as s:
-                figures = asyncio.run(measure(s.url, body, args.bodies))
-            runs[name].append(figures)
-            print(f"round {round_ + 1} {name:>8}: largest gap {figures['max_gap_ms']:7.1f} ms "
-                  f"(median before {figures['median_gap_before_ms']:.1f} ms, "
-                  f"{figures['tokens_during']} tokens meanwhile), /health at most "
-                  f"{figures['max_health_ms']:.1f} ms, statuses {figures['statuses']}",
-                  flush=True)
+    runs = alternate(
+        servers, model, work, args.rounds,
+        lambda server, _: asyncio.run(measure(server.url, body, args.bodies)),
+        lambda f: (f"largest gap {f['max_gap_ms']:7.1f} ms (median before "
+                   f"{f['median_gap_before_ms']:.1f} ms, {f['tokens_during']} tokens "
+                   f"meanwhile), /health at most {f['max_health_ms']:.1f} ms, statuses "
+                   f"{f['statuses']}"))
     result = {"model": model, "mode": args.mode, "body_mb": round(len(body) / 1e6, 1),
               "runs": runs}
     for name, rows in runs.items():

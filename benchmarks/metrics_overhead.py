@@ -87,8 +87,8 @@ def accounted_overhead(tokens_per_s: float, clients: int, max_tokens: int) -> di
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, fixture_or_model
-    from compat.launch import OURS, ServerProcess
+    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from compat.launch import OURS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser, "qwen3")
@@ -100,13 +100,11 @@ def main(argv=None):
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-metrics-"))
     model = fixture_or_model(args, work)
-    runs = {"on": [], "off": []}
-    for round_ in range(args.rounds):
-        for name, extra in (("on", []), ("off", ["--disable-metrics"])):
-            with ServerProcess(OURS, ["--model", model, *extra], log=work / f"{name}.log") as s:
-                tps = asyncio.run(burst(s.url, args.clients, args.max_tokens, round_))
-            runs[name].append(tps)
-            print(f"round {round_ + 1} metrics {name:>3}: {tps:8.1f} tok/s", flush=True)
+    runs = alternate(
+        {"on": (OURS, []), "off": (OURS, ["--disable-metrics"])}, model, work, args.rounds,
+        lambda server, round_: asyncio.run(
+            burst(server.url, args.clients, args.max_tokens, round_)),
+        lambda tps: f"metrics, {tps:8.1f} tok/s")
     on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
     result = {
         "model": model, "clients": args.clients, "max_tokens": args.max_tokens,

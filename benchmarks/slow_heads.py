@@ -80,8 +80,8 @@ def measure(url: str, port: int, connections: int, probes: int):
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, fixture_or_model
-    from compat.launch import OURS, UPSTREAM, ServerProcess
+    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from compat.launch import OURS, UPSTREAM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser, "qwen3")
@@ -93,16 +93,12 @@ def main(argv=None):
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-slow-heads-"))
     model = fixture_or_model(args, work)
-    runs = {"ours": [], "upstream": []}
-    for round_ in range(args.rounds):
-        for name, command in (("ours", OURS), ("upstream", UPSTREAM)):
-            with ServerProcess(command, ["--model", model], log=work / f"{name}.log") as s:
-                figures = measure(s.url, s.port, args.connections, args.probes)
-            runs[name].append(figures)
-            print(f"round {round_ + 1} {name:>8}: {figures['opened']} connections held, "
-                  f"/health answered {figures['answered']}/{figures['probes']} "
-                  f"(median {figures['median_ms']} ms), "
-                  f"{figures['held_still_open']} of the held still open", flush=True)
+    runs = alternate(
+        {"ours": (OURS, []), "upstream": (UPSTREAM, [])}, model, work, args.rounds,
+        lambda server, _: measure(server.url, server.port, args.connections, args.probes),
+        lambda f: (f"{f['opened']} connections held, /health answered "
+                   f"{f['answered']}/{f['probes']} (median {f['median_ms']} ms), "
+                   f"{f['held_still_open']} of the held still open"))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": model, "runs": runs}, indent=2))
     return runs

@@ -1184,9 +1184,16 @@ class Engine:
             for c in cache:
                 c.trim(c.offset - held)
             key = key[:held]
+        self.store_entry(lm.key, key, cache, kind, reply_start)
+
+    def store_entry(self, model_key, key, cache, kind, reply_start=0):
+        """Store a request's cache; a failure (out of memory) loses only
+        that entry: the request, whose tokens went out, ends as it would
+        have, and the batch goes on. (Under mx.distributed it raises: a
+        step's error ends the whole group.)"""
         try:
-            self.store.insert(lm.key, key, cache, kind, reply_start=reply_start)
-        except Exception:  # (out of memory): only this entry is lost
+            self.store.insert(model_key, key, cache, kind, reply_start=reply_start)
+        except Exception:
             if self._is_distributed:
                 raise
             logging.exception(f"Could not store a {kind} entry of {len(key)} tokens")
@@ -2048,7 +2055,8 @@ class _Batch:
     def __init__(self, engine: Engine, lm, stream):
         # What it uses of the engine: store, cli_args, the counters (steps,
         # tokens_out, thread_seconds), share_object, observe, log_store,
-        # relieve_memory, in_flight_nbytes, decoding and reset_random_state.
+        # relieve_memory, in_flight_nbytes, decoding, reset_random_state and
+        # store_entry.
         self.engine = engine
         self.model = lm.model
         self.tokenizer = lm.tokenizer
@@ -2319,15 +2327,7 @@ class _Batch:
         return True
 
     def _insert(self, key, cache, kind, reply_start=0):
-        """Store a request's cache; a failure (out of memory) loses only
-        that entry: the request, whose tokens went out, ends as it would
-        have, and the batch goes on."""
-        try:
-            self.engine.store.insert(self.model_key, key, cache, kind, reply_start=reply_start)
-        except Exception:
-            if self.engine._is_distributed:
-                raise  # (a batch step's error: the whole group ends)
-            logging.exception(f"Could not store a {kind} entry of {len(key)} tokens")
+        self.engine.store_entry(self.model_key, key, cache, kind, reply_start)
 
     def will_store(self, key, position: int) -> bool:
         """Whether a request of this batch is about to store a checkpoint at
