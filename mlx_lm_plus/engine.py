@@ -82,6 +82,7 @@ from .prompt import (
     PromptPlan, build_prompt, check_prompt_size, prompt_chars, split_at, template_kwargs,
 )
 from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
+from . import taps
 from .validation import RequestError, check_vocab
 from .vision import VisionPrompt, VisionSupport, set_rope_delta
 from .vlm_generation import MlxVlmGeneration, responses
@@ -2085,6 +2086,12 @@ class _Batch:
             generator = QuantizedBatchGenerator
             kv = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                       quantized_kv_start=args.quantized_kv_start)
+        elif self.keep_checkpoints and not self.engine._is_distributed:
+            # Recurrent states at checkpoints inside a chunk (taps.py).
+            recorder = taps.install(self.model)
+            if recorder is not None:
+                generator, kv = taps.TappingBatchGenerator, dict(recorder=recorder)
+        self.tapping = generator is taps.TappingBatchGenerator
         self.generator = generator(
             self.model,
             completion_batch_size=args.decode_concurrency,
@@ -2129,6 +2136,18 @@ class _Batch:
             segment_types = segment_types[:head] + ["prompt"]
         # The positions of the checkpoints this request will store.
         ends = list(itertools.accumulate((len(s) for s in segments[:-1]), initial=a.cached))[1:]
+        tapped = {}
+        if self.tapping and len(segments) > 1:
+            # One segment: the generator cuts its last token off, and that end
+            # (the last checkpoint) stays a segment end; the checkpoints
+            # before it are taken inside the chunks that pass them.
+            checkpoints = list(zip(ends, segment_types))
+            if len(segments[-1]) > 1:
+                checkpoints.append((a.cached + sum(map(len, segments)) - 1, segment_types[-1]))
+            segment_types = [checkpoints.pop()[1]]
+            segments = [sum(segments, [])]
+            tapped = dict(checkpoints)
+        more = dict(taps=[list(tapped)]) if self.tapping else {}
         processors = _make_logits_processors(a.args) + ([a.constraint] if a.constraint else [])
         if sum(map(len, segments)) == 1:  # (its prompt is in but its last token)
             self._decode_only = FIRST_TOKEN_STEPS
@@ -2141,6 +2160,7 @@ class _Batch:
             samplers=[self._sampler(a.args)],
             logits_processors=[processors],
             stop_sequences=[a.stop_sequences],
+            **more,
         )
         a.channel.put(a.ctx)
         self.results[uid] = {
@@ -2150,6 +2170,7 @@ class _Batch:
             # Popped from the end as segment ends are reached.
             "segment_types": segment_types[::-1],
             "ends": ends,  # those not reached yet
+            "taps": tapped,  # position -> kind, of those taken inside a chunk
             "logprobs": a.args.logprobs,
             "top_logprobs": a.args.top_logprobs,
             "decoding": False,  # set at its first generated token
@@ -2277,6 +2298,12 @@ class _Batch:
             if r.progress[1] - r.progress[0] == 1:
                 self._decode_only = FIRST_TOKEN_STEPS
 
+        if self.tapping:
+            for uid, taken in self.generator.take_tapped().items():
+                for position, cache in taken:
+                    self._stored_checkpoint(uid, position, cache,
+                                            self.results[uid]["taps"].pop(position))
+
         # Each request's checkpoints are its own segment ends: the cache
         # extracted there covers exactly the tokens that request has seen.
         ends = [
@@ -2287,11 +2314,8 @@ class _Batch:
             and self.results[r.uid]["segment_types"]
         ]
         for uid, (cache, tokens) in self.generator.extract_cache(ends).items():
-            result = self.results[uid]
-            kind = result["segment_types"].pop()
-            self._insert(self._key(uid, tokens), cache, kind)
-            result["ends"] = [e for e in result["ends"] if e > len(tokens)]
-            self._unpark(uid, len(tokens))
+            self._stored_checkpoint(uid, len(tokens), cache,
+                                    self.results[uid]["segment_types"].pop())
 
         for r in gen_responses:
             result = self.results[r.uid]
@@ -2325,6 +2349,14 @@ class _Batch:
                 del self.results[r.uid]
                 self._unpark(r.uid)
         return True
+
+    def _stored_checkpoint(self, uid, position: int, cache, kind: str):
+        """Store request `uid`'s checkpoint at `position` (of its prompt) and
+        release the requests waiting for it."""
+        result = self.results[uid]
+        self._insert(result["key_prefix"][:position], cache, kind)
+        result["ends"] = [e for e in result["ends"] if e > position]
+        self._unpark(uid, position)
 
     def _insert(self, key, cache, kind, reply_start=0):
         self.engine.store_entry(self.model_key, key, cache, kind, reply_start)

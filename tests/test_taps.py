@@ -1,0 +1,179 @@
+"""Recurrent states taken inside a model call (mlx_lm_plus/taps.py): the
+states a tap keeps are those of calls cut at the same place, every family of
+recurrent layer and padding included; a request's checkpoints inside its
+prompt cost no model call of their own; the probe refuses taps that are
+wrong."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import ArraysCache
+
+import patches
+from mlx_lm_plus import taps
+from tests.engine_harness import EngineRunner
+
+RECURRENT_KINDS = ["qwen3_5", "mamba2", "olmo_hybrid", "jamba", "mamba", "nemotron_h"]
+
+# (prompt lengths, checkpoint positions per prompt, --prefill-step-size).
+# Prompts of different lengths are right-padded in one call: a position of
+# one row that is another row's length leaves that row no real token in a
+# piece; step 16 puts positions on chunk ends (16, 32) and in later chunks.
+CASES = [
+    ([70, 33, 50], [[20, 45], [7], [10, 30, 49]], 2048),
+    ([70, 33], [[32, 60], [20]], 2048),
+    ([40, 41, 9], [[16, 32], [5, 17, 33], [3]], 16),
+]
+
+
+def _prompts(lengths):
+    return [[(5 + 7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def _run(generator, prompts, positions, tapped: bool):
+    """(the caches kept per prompt {position: cache}, the tokens generated)."""
+    if tapped:
+        uids = generator.insert_segments([[p] for p in prompts], max_tokens=[6] * len(prompts),
+                                         taps=positions)
+    else:  # a segment end at each position: a model call ends there
+        segments = []
+        for p, cuts in zip(prompts, positions):
+            bounds = [0, *cuts, len(p)]
+            segments.append([p[a:b] for a, b in zip(bounds, bounds[1:])])
+        uids = generator.insert_segments(segments, max_tokens=[6] * len(prompts))
+    kept = {u: {} for u in uids}
+    tokens = {u: [] for u in uids}
+    while True:
+        prompt_responses, generated = generator.next()
+        if not prompt_responses and not generated:
+            break
+        if tapped:
+            for uid, taken in generator.take_tapped().items():
+                kept[uid].update(taken)
+        ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
+        for uid, (cache, t) in generator.extract_cache(ends).items():
+            kept[uid][len(t)] = cache
+        for r in generated:
+            tokens[r.uid].append(r.token)
+    generator.close()
+    return [kept[u] for u in uids], [tokens[u] for u in uids]
+
+
+def _arrays(layer):
+    if isinstance(layer, ArraysCache):
+        return layer.cache
+    return [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _patched():
+    patches.apply_all()  # (as Engine.start: the padding fixes)
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+def test_tapped_states_are_those_of_calls_cut_there(kind, fixture_path):
+    model, _ = load(str(fixture_path(kind)))
+    recorder = taps.install(model)
+    assert recorder is not None
+    for lengths, positions, step in CASES:
+        prompts = _prompts(lengths)
+        alone = [_run(BatchGenerator(model), [p], [[]], False)[1][0] for p in prompts]
+        cut = _run(BatchGenerator(model, prefill_step_size=step), prompts, positions, False)
+        got = _run(taps.TappingBatchGenerator(model, recorder, prefill_step_size=step),
+                   prompts, positions, True)
+        assert got[1] == alone == cut[1], (lengths, positions, step)
+        for theirs, ours in zip(cut[0], got[0]):
+            assert sorted(ours) == sorted(theirs)
+            for position in theirs:
+                for a, b in zip(theirs[position], ours[position]):
+                    assert type(a) is type(b)
+                    for x, y in zip(_arrays(a), _arrays(b)):
+                        assert (x is None) == (y is None)
+                        if x is not None:
+                            assert x.shape == y.shape
+                            assert mx.allclose(x, y, rtol=1e-4, atol=1e-5).item(), (kind, position)
+
+
+def test_models_without_recurrent_layers_are_left_alone(fixture_path):
+    model, _ = load(str(fixture_path("qwen3")))
+    classes = [type(m) for _, m in model.named_modules()]
+    assert taps.install(model) is None
+    assert [type(m) for _, m in model.named_modules()] == classes
+
+
+def test_the_probe_refuses_taps_that_keep_the_wrong_states(fixture_path, monkeypatch):
+    """Taps that keep each state a piece late: the probe sees it, the model
+    keeps its own classes and one call per checkpoint."""
+    model, _ = load(str(fixture_path("qwen3_5")))
+    classes = [type(m) for _, m in model.named_modules()]
+    cut_at = taps._in_pieces
+
+    def late(module, call, signature, recorder, args, kwargs):
+        recorder.cuts = [c + 1 for c in recorder.cuts]
+        try:
+            return cut_at(module, call, signature, recorder, args, kwargs)
+        finally:
+            recorder.cuts = [c - 1 for c in recorder.cuts]
+            recorder.states = {(i, c - 1): s for (i, c), s in recorder.states.items()}
+
+    monkeypatch.setattr(taps, "_in_pieces", late)
+    assert taps.install(model) is None
+    assert [type(m) for _, m in model.named_modules()] == classes
+    assert not any("_tap_recorder" in m.__dict__ for _, m in model.named_modules() if m is not model)
+    assert taps.install(model) is None  # (decided once per model)
+
+
+def _count_calls(monkeypatch, model):
+    """The lengths of the model's calls, from now on."""
+    calls = []
+    cls = type(model)
+    forward = cls.__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        calls.append(inputs.shape[1])
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", counted)
+    return calls
+
+
+SYSTEM = "You are a careful assistant who plans trips. " * 6
+
+
+@pytest.mark.parametrize("tapping", [True, False])
+def test_a_turn_is_one_prefill_call_with_its_checkpoints(tapping, fixture_path, monkeypatch):
+    """A conversation's later turn stores a state at the start of its last
+    user message (for an edit of it) and at the end of its prompt: with taps
+    both come from one prefill call, as upstream's turn makes; without, each
+    checkpoint ends a call. The checkpoint serves an edit of that message,
+    and replies equal a cache-off server's."""
+    if not tapping:
+        monkeypatch.setattr(taps, "install", lambda model: None)
+    runner = EngineRunner(fixture_path("qwen3_5"))
+    cold = EngineRunner(fixture_path("qwen3_5"), max_bytes=0)
+    try:
+        calls = _count_calls(monkeypatch, runner.loaded.model)
+        messages = [{"role": "system", "content": SYSTEM}]
+        for t in range(3):
+            messages.append({"role": "user", "content": f"Turn {t}: plan day {t} by the sea."})
+            calls.clear()
+            tokens, prompt, cached = runner.run({"messages": messages, "max_tokens": 4})
+            prefill = [n for n in calls if n > 1]
+            if t:
+                assert len(prefill) == (1 if tapping else 2), calls
+                assert sum(prefill) == prompt - cached - 1
+            text = runner.loaded.tokenizer.decode(tokens)
+            messages.append({"role": "assistant", "content": text})
+        kinds = sorted(e.kind for e in runner.store.entries())
+        assert kinds.count("checkpoint") == 2, kinds
+        # An edit of the last user message resumes at its start.
+        edited = messages[:-2] + [{"role": "user", "content": "Something else entirely."}]
+        start = max(e.ntokens for e in runner.store.entries() if e.kind == "checkpoint")
+        body = {"messages": edited, "max_tokens": 6}
+        tokens, prompt, cached = runner.run(body)
+        assert cached == start
+        assert tokens == cold.run(body)[0]
+    finally:
+        runner.close()
+        cold.close()
