@@ -2351,10 +2351,11 @@ class _Batch:
         return True
 
     def _stored_checkpoint(self, uid, position: int, cache, kind: str):
-        """Store request `uid`'s checkpoint at `position` (of its prompt) and
-        release the requests waiting for it."""
+        """Store request `uid`'s checkpoint at `position` (of its prompt; no
+        cache: a tap that got none) and release the requests waiting for it."""
         result = self.results[uid]
-        self._insert(result["key_prefix"][:position], cache, kind)
+        if cache is not None:
+            self._insert(result["key_prefix"][:position], cache, kind)
         result["ends"] = [e for e in result["ends"] if e > position]
         self._unpark(uid, position)
 

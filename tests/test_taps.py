@@ -14,7 +14,11 @@ import patches
 from mlx_lm_plus import taps
 from tests.engine_harness import EngineRunner
 
-RECURRENT_KINDS = ["qwen3_5", "mamba2", "olmo_hybrid", "jamba", "mamba", "nemotron_h"]
+# Recurrences run token by token: cut exactly, tapped.
+TAPPED_KINDS = ["qwen3_5", "olmo_hybrid", "jamba", "mamba"]
+# Chunked SSD scans (mamba2, and nemotron_h's Mamba 2 mixer): a cut changes
+# their sums, so a reply would depend on the rows cut beside it. Not tapped.
+REFUSED_KINDS = ["mamba2", "nemotron_h"]
 
 # (prompt lengths, checkpoint positions per prompt, --prefill-step-size).
 # Prompts of different lengths are right-padded in one call: a position of
@@ -71,7 +75,7 @@ def _patched():
     patches.apply_all()  # (as Engine.start: the padding fixes)
 
 
-@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+@pytest.mark.parametrize("kind", TAPPED_KINDS)
 def test_tapped_states_are_those_of_calls_cut_there(kind, fixture_path):
     model, _ = load(str(fixture_path(kind)))
     recorder = taps.install(model)
@@ -80,8 +84,9 @@ def test_tapped_states_are_those_of_calls_cut_there(kind, fixture_path):
         prompts = _prompts(lengths)
         alone = [_run(BatchGenerator(model), [p], [[]], False)[1][0] for p in prompts]
         cut = _run(BatchGenerator(model, prefill_step_size=step), prompts, positions, False)
-        got = _run(taps.TappingBatchGenerator(model, recorder, prefill_step_size=step),
-                   prompts, positions, True)
+        generator = taps.TappingBatchGenerator(model, recorder, prefill_step_size=step)
+        got = _run(generator, prompts, positions, True)
+        assert generator._prompt_batch.wanted == {}  # (nothing left behind)
         assert got[1] == alone == cut[1], (lengths, positions, step)
         for theirs, ours in zip(cut[0], got[0]):
             assert sorted(ours) == sorted(theirs)
@@ -95,6 +100,33 @@ def test_tapped_states_are_those_of_calls_cut_there(kind, fixture_path):
                             assert mx.allclose(x, y, rtol=1e-4, atol=1e-5).item(), (kind, position)
 
 
+@pytest.mark.parametrize("kind", TAPPED_KINDS[:2])
+def test_in_bfloat16_a_reply_does_not_depend_on_the_rows_beside_it(kind, fixture_path):
+    """Every row is cut at every row's positions: in bfloat16 (what real
+    models run in) each prompt's reply, batched and tapped, is its reply
+    alone."""
+    model, _ = load(str(fixture_path(kind)))
+    model.set_dtype(mx.bfloat16)
+    recorder = taps.install(model)
+    assert recorder is not None
+    for lengths, positions, step in CASES:
+        prompts = _prompts(lengths)
+        alone = [_run(BatchGenerator(model), [p], [[]], False)[1][0] for p in prompts]
+        got = _run(taps.TappingBatchGenerator(model, recorder, prefill_step_size=step),
+                   prompts, positions, True)
+        assert got[1] == alone, (lengths, positions, step)
+
+
+@pytest.mark.parametrize("kind", REFUSED_KINDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mixers_whose_sums_change_when_cut_are_not_tapped(kind, dtype, fixture_path):
+    model, _ = load(str(fixture_path(kind)))
+    model.set_dtype(dtype)
+    classes = [type(m) for _, m in model.named_modules()]
+    assert taps.install(model) is None
+    assert [type(m) for _, m in model.named_modules()] == classes
+
+
 def test_models_without_recurrent_layers_are_left_alone(fixture_path):
     model, _ = load(str(fixture_path("qwen3")))
     classes = [type(m) for _, m in model.named_modules()]
@@ -102,26 +134,43 @@ def test_models_without_recurrent_layers_are_left_alone(fixture_path):
     assert [type(m) for _, m in model.named_modules()] == classes
 
 
-def test_the_probe_refuses_taps_that_keep_the_wrong_states(fixture_path, monkeypatch):
-    """Taps that keep each state a piece late: the probe sees it, the model
-    keeps its own classes and one call per checkpoint."""
+IN_PIECES = taps._in_pieces
+
+
+def _probe_refuses(fixture_path, monkeypatch, spoil) -> bool:
+    """Whether install refuses qwen3_5 when `spoil(output, recorder)` runs
+    after each tapped mixer call; checks the model is left as it was."""
     model, _ = load(str(fixture_path("qwen3_5")))
     classes = [type(m) for _, m in model.named_modules()]
-    cut_at = taps._in_pieces
 
-    def late(module, call, signature, recorder, args, kwargs):
-        recorder.cuts = [c + 1 for c in recorder.cuts]
-        try:
-            return cut_at(module, call, signature, recorder, args, kwargs)
-        finally:
-            recorder.cuts = [c - 1 for c in recorder.cuts]
-            recorder.states = {(i, c - 1): s for (i, c), s in recorder.states.items()}
+    def spoiled(module, call, signature, recorder, args, kwargs):
+        return spoil(IN_PIECES(module, call, signature, recorder, args, kwargs), recorder)
 
-    monkeypatch.setattr(taps, "_in_pieces", late)
-    assert taps.install(model) is None
-    assert [type(m) for _, m in model.named_modules()] == classes
-    assert not any("_tap_recorder" in m.__dict__ for _, m in model.named_modules() if m is not model)
-    assert taps.install(model) is None  # (decided once per model)
+    monkeypatch.setattr(taps, "_in_pieces", spoiled)
+    refused = taps.install(model) is None
+    if refused:
+        assert [type(m) for _, m in model.named_modules()] == classes
+        assert not any("_tap_recorder" in m.__dict__ for _, m in model.named_modules()
+                       if m is not model)
+        assert taps.install(model) is None  # (decided once per model)
+    return refused
+
+
+def test_the_probe_refuses_pieces_that_change_the_call(fixture_path, monkeypatch):
+    """A tapped call whose output is off in the last bits is refused: cut
+    calls must be the uncut call exactly."""
+    assert _probe_refuses(fixture_path, monkeypatch, lambda out, rec: out * (1 + 2 ** -20))
+    assert not _probe_refuses(fixture_path, monkeypatch, lambda out, rec: out)
+
+
+def test_the_probe_refuses_states_kept_wrong(fixture_path, monkeypatch):
+    """States kept 5% off what calls cut there leave are refused."""
+    def off(out, recorder):
+        for key, kept in recorder.states.items():
+            recorder.states[key] = [None if a is None else a * 1.05 for a in kept]
+        return out
+
+    assert _probe_refuses(fixture_path, monkeypatch, off)
 
 
 def _count_calls(monkeypatch, model):
@@ -177,3 +226,46 @@ def test_a_turn_is_one_prefill_call_with_its_checkpoints(tapping, fixture_path, 
     finally:
         runner.close()
         cold.close()
+
+
+def test_a_tap_that_kept_no_state_releases_the_requests_waiting_for_it(fixture_path, monkeypatch):
+    """A request parked behind another's system-prompt checkpoint is let go
+    when that checkpoint's position is passed, stored or not (here no layer
+    kept a state there): not at the end of the other's prompt."""
+    from mlx_lm_plus import engine
+
+    monkeypatch.setattr(taps.TappingPromptBatch, "_checkpoint", lambda *a: None)
+    parked, released = [], []
+    park, unpark = engine._Batch.park, engine._Batch._unpark
+
+    def watched_park(self, *args):
+        held = park(self, *args)
+        if held:
+            parked.append(self._parked[-1][1])
+        return held
+
+    def watched_unpark(self, uid=None, stored=None):
+        waiting = len(self._parked)
+        unpark(self, uid, stored)
+        if len(self._parked) < waiting:
+            released.append(stored)
+
+    monkeypatch.setattr(engine._Batch, "park", watched_park)
+    monkeypatch.setattr(engine._Batch, "_unpark", watched_unpark)
+    system = "You are a careful assistant for travel planning. Answer with short lists. " * 6
+    runner = EngineRunner(fixture_path("qwen3_5"), argv=["--prefill-step-size", "16"])
+    try:
+        runner.loaded
+        lead = runner.submit({"messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": "Plan the coast. " * 60}],
+                              "max_tokens": 3})
+        while not isinstance(lead.items.get(timeout=60), tuple):
+            pass  # (its prefill has begun)
+        follower = runner.submit({"messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": "A question?"}],
+                                  "max_tokens": 3})
+        follower.result()
+        lead.result()
+        assert parked and released[:1] == parked[:1], (parked, released)
+    finally:
+        runner.close()
