@@ -137,7 +137,10 @@ def install(model) -> Optional[Recorder]:
     except Exception:
         kinds = []
     # (Rotating windows and chunked KV do not hold a prefix of the end.)
-    if ArraysCache in kinds and all(k in (KVCache, ArraysCache) for k in kinds):
+    if ArraysCache in kinds and not all(k in (KVCache, ArraysCache) for k in kinds):
+        logging.info("Checkpoints inside prompt chunks: off for layers of kinds "
+                     f"{sorted({k.__name__ for k in kinds})}; one model call each")
+    elif ArraysCache in kinds:
         recorder = Recorder()
         mixers = _innermost_cache_takers(model)
         originals = [type(m) for m in mixers]
@@ -152,6 +155,8 @@ def install(model) -> Optional[Recorder]:
         if agrees:
             logging.info(f"Checkpoints inside prompt chunks: {len(mixers)} modules tapped")
         else:
+            logging.info("Checkpoints inside prompt chunks: off (cutting this model's calls "
+                         "changes them); one model call each")
             for mixer, cls in zip(mixers, originals):
                 mixer.__class__ = cls
                 del mixer.__dict__["_tap_recorder"]
