@@ -27,6 +27,17 @@ def add_model_args(parser, default_kind: str) -> None:
                         help="fixture kind (tests/fixtures.py) when no --model")
 
 
+def ab_parser(description: str, default_kind: str, rounds: int):
+    """The arguments every A/B benchmark takes: the model, --rounds, --json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    add_model_args(parser, default_kind)
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds of A and B each")
+    parser.add_argument("--json", help="write the figures to this file")
+    return parser
+
+
 def fixture_or_model(args, work, kind: Optional[str] = None) -> str:
     """--model, or the fixture of `kind` (default: --model-kind), built in
     $MLX_LM_PLUS_FIXTURES (the tests' folder: built once) or under `work`."""

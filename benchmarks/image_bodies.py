@@ -22,7 +22,6 @@ tokens while the bodies came, its median gap before them, and the largest
 /health latency meanwhile.
 """
 
-import argparse
 import asyncio
 import base64
 import io
@@ -122,17 +121,14 @@ async def measure(url: str, body: bytes, bodies: int) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from benchmarks.harness import ab_parser, alternate, fixture_or_model
     from compat.launch import OURS, UPSTREAM
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, "qwen3")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of A and B each")
+    parser = ab_parser(__doc__.split("\n")[0], "qwen3", rounds=3)
     parser.add_argument("--bodies", type=int, default=3)
     parser.add_argument("--images", type=int, default=10)
     parser.add_argument("--image-mb", type=float, default=8.7, help="raw PNG MB per image")
     parser.add_argument("--mode", choices=("parse", "check"), default="parse")
-    parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-image-bodies-"))

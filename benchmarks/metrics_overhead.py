@@ -15,7 +15,6 @@ what metrics add (one `Metrics.observe` per request, with its log line; one
 by the burst's duration. That figure does not drift with the machine.
 """
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -87,15 +86,12 @@ def accounted_overhead(tokens_per_s: float, clients: int, max_tokens: int) -> di
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from benchmarks.harness import ab_parser, alternate, fixture_or_model
     from compat.launch import OURS
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, "qwen3")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of A and B each")
+    parser = ab_parser(__doc__.split("\n")[0], "qwen3", rounds=5)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-metrics-"))

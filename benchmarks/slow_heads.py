@@ -14,7 +14,6 @@ the probes answered and their median latency, and how many of the held
 connections the server had closed by the end.
 """
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -80,15 +79,12 @@ def measure(url: str, port: int, connections: int, probes: int):
 
 
 def main(argv=None):
-    from benchmarks.harness import add_model_args, alternate, fixture_or_model
+    from benchmarks.harness import ab_parser, alternate, fixture_or_model
     from compat.launch import OURS, UPSTREAM
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(parser, "qwen3")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of A and B each")
+    parser = ab_parser(__doc__.split("\n")[0], "qwen3", rounds=1)
     parser.add_argument("--connections", type=int, default=2100)
     parser.add_argument("--probes", type=int, default=3)
-    parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-slow-heads-"))

@@ -271,6 +271,7 @@ class TappingPromptBatch(PromptProcessingBatch):
                     (position, self._checkpoint(row, cut, position, states)))
             if not wanted:
                 del self.wanted[uid]
+        # The copies now: until then each holds its whole batch's state.
         mx.eval([a for kept in states.values() for a in kept if a is not None])
 
     def _checkpoint(self, row: int, cut: int, position: int, states) -> Optional[List[Any]]:
