@@ -273,23 +273,28 @@ def _copied(value):
     return value
 
 
-def own_buffers(layer):
+def own_buffers(layer, copied_from: list):
     """`layer` holding arrays of its own, plain KV cut to its tokens. A row
     extracted from a batch is a view of the batch's arrays (upstream's
     ArraysCache.extract slices them; BatchKVCache's and
     BatchRotatingKVCache's mx.contiguous keeps a row that is contiguous in
     place): stored as is, it would keep the whole batch's buffer alive,
-    B times the bytes the budget counts."""
+    B times the bytes the budget counts. The arrays it copies from go to
+    `copied_from`, for the caller to hold until the copies are evaluated: a
+    copy whose source nothing else holds any more (the batch moved on)
+    takes over the source's buffer instead of copying, every row of it."""
     if isinstance(layer, CacheList):
         for c in layer.caches:
-            own_buffers(c)
+            own_buffers(c, copied_from)
         return layer
     if is_plain_kv(layer) and layer.keys is not None:
         n = layer.offset
+        copied_from += [layer.keys, layer.values]
         layer.keys = mx.array(layer.keys[..., :n, :])
         layer.values = mx.array(layer.values[..., :n, :])
         return layer
     for name, value in vars(layer).items():
+        copied_from.append(value)
         setattr(layer, name, _copied(value))
     return layer
 
@@ -947,7 +952,8 @@ class PromptStore:
             return
         tokens = array(_TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
-        layers, sources, layout = self._take(cache, len(tokens), own=from_disk)
+        copied_from = []  # (held until the copies are evaluated: see own_buffers)
+        layers, sources, layout = self._take(cache, len(tokens), copied_from, own=from_disk)
         with self._lock:  # (not this model's layer kinds: no server makes such a cache)
             foreign = layers is not None and self._layouts.get(model, layout) != layout
         trimmable = layers is not None and trims_to_any_prefix(layers)
@@ -996,9 +1002,10 @@ class PromptStore:
         with self._lock:
             fresh, self._fresh = self._fresh, []
         mx.eval(fresh + [c.state for c in layers if not isinstance(c, SharedKV)])
+        del copied_from
         self._spill()
 
-    def _take(self, cache: List[Any], n: int, own: bool = False):
+    def _take(self, cache: List[Any], n: int, copied_from: list, own: bool = False):
         """An inserted cache of n tokens split into (the entry's layers, the
         shared layers' sources, the layout); (None, None, None) when a plain
         KV layer does not hold exactly n tokens. `own`: its arrays are in
@@ -1013,7 +1020,7 @@ class PromptStore:
         layers, sources, layout = [], [], []
         if not self.share_kv:  # every layer the entry's own
             if not own:
-                cache = [own_buffers(c) for c in cache]
+                cache = [own_buffers(c, copied_from) for c in cache]
             cache = quantize_for_store(compact(cache), self.bits, self.group_size)
             return cache, [], ()
         for c in cache:
@@ -1031,7 +1038,7 @@ class PromptStore:
                 shell = SharedKV(type(c), _extra(c), c.keys.dtype, bits, self.group_size)
                 source = (c.keys, c.values, bits)
             else:
-                layers.append(c if own else own_buffers(c))
+                layers.append(c if own else own_buffers(c, copied_from))
                 continue
             layout.append((len(layers), shell.bits))
             layers.append(shell)

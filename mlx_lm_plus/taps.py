@@ -37,11 +37,15 @@ class Recorder:
     `cuts` (position in the call -> the rows that want their states there;
     None while no call is tapped) and `states` ((id of the layer's cache,
     position, row) -> that row's arrays after the piece ending there, copied
-    out of the batch's: a view would keep every row's state alive)."""
+    out of the batch's: a view would keep every row's state alive) and
+    `sources` (the batch's arrays they were copied from, held until the
+    copies are evaluated: a copy whose source nothing else holds any more
+    takes over the source's buffer, every row of it, instead of copying)."""
 
     def __init__(self):
         self.cuts: Optional[Dict[int, List[int]]] = None
         self.states: Dict[Tuple[int, int, int], List[Any]] = {}
+        self.sources: List[Any] = []
 
 
 _TAPPED_CLASSES: Dict[type, type] = {}
@@ -95,9 +99,12 @@ def _in_pieces(module, call, signature, recorder: Recorder, args, kwargs):
         if lengths is not None:
             cache.lengths = mx.clip(lengths - start, 0, stop - start)
         outputs.append(call(**piece))
-        for row in recorder.cuts.get(stop, ()):
+        rows = recorder.cuts.get(stop, ())
+        for row in rows:
             recorder.states[(id(cache), stop, row)] = [
                 None if a is None else mx.array(a[row : row + 1]) for a in cache.cache]
+        if rows:
+            recorder.sources.append(list(cache.cache))
     if lengths is not None:
         cache.lengths = lengths - length  # (as one call's advance leaves it)
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
@@ -260,6 +267,7 @@ class TappingPromptBatch(PromptProcessingBatch):
             super().prompt(tokens)
         finally:
             states, recorder.cuts, recorder.states = recorder.states, None, {}
+            sources, recorder.sources = recorder.sources, []
         for row, inside in cuts.items():
             uid = self.uids[row]
             wanted = self.wanted[uid]
@@ -273,6 +281,7 @@ class TappingPromptBatch(PromptProcessingBatch):
                 del self.wanted[uid]
         # The copies now: until then each holds its whole batch's state.
         mx.eval([a for kept in states.values() for a in kept if a is not None])
+        del sources
 
     def _checkpoint(self, row: int, cut: int, position: int, states) -> Optional[List[Any]]:
         """Row `row`'s cache at `position` (the call's position `cut`): its

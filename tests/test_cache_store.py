@@ -106,6 +106,33 @@ def test_entries_are_stored_compacted():
     assert store.nbytes == store.kv_bytes + store.index_bytes
 
 
+def test_a_row_the_batch_let_go_of_is_stored_in_its_own_bytes():
+    """A finished row's cache is a view of its batch's arrays, which the
+    batch replaces as it goes on (filter): the stored copy must take the
+    row's bytes, not the whole batch's buffer, which MLX hands to a copy
+    whose source nothing else holds (its first array counted 1,536 bytes
+    and held the 8 rows' 12,288)."""
+    import gc
+
+    for shared_kv in (True, False):
+        store = PromptStore(max_bytes=1 << 30, share_kv=shared_kv)
+        batch = ArraysCache(2)
+        batch.cache = [mx.random.normal((8, 3, 128)), mx.random.normal((8, 4, 16, 16))]
+        mx.eval(batch.cache)
+        row = [batch.extract(2)]
+        batch.filter([0, 1, 3, 4, 5, 6, 7])  # (the batch goes on without it)
+        mx.eval(batch.cache)
+        gc.collect()
+        mx.clear_cache()  # (a buffer reused from it may be larger than asked)
+        before = mx.get_active_memory()
+        store.insert(MODEL, [1, 2, 3], row)
+        del row
+        gc.collect()
+        # The 8 rows' arrays went; the row's copies came (1,536 + 4,096).
+        freed = 8 * (3 * 128 + 4 * 16 * 16) * 4
+        assert mx.get_active_memory() - before <= store.kv_bytes - freed + 1024, shared_kv
+
+
 def test_byte_budget_holds_after_every_insert():
     # Room for two 10-token entries: their caches and their index.
     store = PromptStore(max_bytes=_holding([[100] + list(range(9)), [101] + list(range(9))],
@@ -1444,6 +1471,7 @@ def test_spans_hold_buffers_of_their_own():
         return c
 
     gc.collect()
+    mx.clear_cache()  # (a buffer reused from it may be larger than asked)
     start = mx.get_active_memory()
     store = PromptStore(max_bytes=1 << 34)
     for i in range(40):  # 40 branches after 8 shared tokens: each span a suffix cut
@@ -1465,6 +1493,7 @@ def test_a_row_extracted_from_a_batch_holds_only_its_own_bytes(share_kv):
     rows, n = 8, 64
     store = PromptStore(max_bytes=1 << 30, share_kv=share_kv)
     mx.synchronize()
+    mx.clear_cache()  # (a buffer reused from it may be larger than asked)
     before = mx.get_active_memory()
     for step in range(6):
         state = ArraysCache(1)

@@ -269,3 +269,43 @@ def test_a_tap_that_kept_no_state_releases_the_requests_waiting_for_it(fixture_p
         assert parked and released[:1] == parked[:1], (parked, released)
     finally:
         runner.close()
+
+
+def test_a_tap_holds_its_own_rows_state_only(fixture_path):
+    """What a chunk's taps keep, once the chunk is done, is each wanting row's
+    state alone: a row's slice of a piece's batch state (a view) would keep
+    the whole batch's state alive, and a copy not yet evaluated the piece's
+    output; eight rows tapped at positions of their own, 24 checkpoints."""
+    import gc
+
+    model, _ = load(str(fixture_path("qwen3_5")))
+    recorder = taps.install(model)
+    prompts = _prompts([60] * 8)
+    positions = [[5 + row, 20 + 2 * row, 40 + 2 * row] for row in range(8)]
+
+    def tapped_states():
+        generator = taps.TappingBatchGenerator(model, recorder, prefill_step_size=2048)
+        generator.insert_segments([[p] for p in prompts], max_tokens=[1] * 8, taps=positions)
+        generator.next()  # the prompts' one chunk
+        taken = generator.take_tapped()
+        generator.close()
+        states = [a for checkpoints in taken.values() for _, cache in checkpoints
+                  for layer in cache if isinstance(layer, ArraysCache)
+                  for a in layer.cache if a is not None]
+        assert len(taken) == 8 and sum(map(len, taken.values())) == 24
+        return states
+
+    tapped_states()  # (anything made once)
+    gc.collect()
+    mx.clear_cache()  # (a buffer reused from it may be larger than asked)
+    before = mx.get_active_memory()
+    states = tapped_states()
+    gc.collect()
+    held = mx.get_active_memory() - before
+    # What as many arrays of their shapes take (the allocator rounds up).
+    before = mx.get_active_memory()
+    alone = [mx.zeros(a.shape, a.dtype) for a in states]
+    mx.eval(alone)
+    kept = mx.get_active_memory() - before
+    assert kept >= sum(a.nbytes for a in states) > 0
+    assert held <= 1.25 * kept, (held, kept)
