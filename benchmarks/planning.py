@@ -1,6 +1,8 @@
 """What planning a prompt costs: build_prompt (template, tokens, checkpoint
 boundaries) against one apply_chat_template(tokenize=True), the least any
-server does, on multi-turn conversations of growing size.
+server does, on multi-turn conversations of growing size: a prompt the
+planner has seen nothing of, and the next turn of a conversation whose last
+turn it planned (encoded from where it leaves that one).
 
     python -m benchmarks.planning --model-kind qwen3_5 --tokens 1700 20000
 """
@@ -16,6 +18,7 @@ from mlx_lm.server import CompletionRequest
 from mlx_lm.utils import load_tokenizer
 
 from benchmarks.harness import add_model_args, fixture_or_model
+from mlx_lm_plus import prompt
 from mlx_lm_plus.prompt import build_prompt
 from tests.fixtures import WORDS
 
@@ -57,14 +60,34 @@ def main(argv=None):
     for target in args.tokens:
         messages, n = conversation(tokenizer, target)
         request = CompletionRequest("chat", "", messages, None, None)
+        # The turn before: the conversation up to its last user message.
+        before = messages[:-2] if len(messages) > 2 else messages[:1]
+        previous = CompletionRequest("chat", "", before, None, None)
         plan = build_prompt(tokenizer, None, request, {})
-        ours = timed(lambda: build_prompt(tokenizer, None, request, {}), args.repeats)
+
+        def forget():  # (what it encoded; not whether the tokenizer passed its checks)
+            for recent in prompt._RECENT.values():
+                recent.entries = []
+
+        def cold():
+            forget()
+            return build_prompt(tokenizer, None, request, {})
+
+        def next_turn():
+            forget()
+            build_prompt(tokenizer, None, previous, {})
+            start = time.perf_counter()
+            build_prompt(tokenizer, None, request, {})
+            return time.perf_counter() - start
+
+        first = timed(cold, args.repeats)
+        following = statistics.median(next_turn() for _ in range(args.repeats))
         once = timed(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
                      args.repeats)
         print(f"{n} tokens, {len(messages)} messages, segments "
-              f"{[len(s) for s in plan.segments]}: build_prompt {ours * 1e3:.2f} ms, "
-              f"one apply_chat_template {once * 1e3:.2f} ms ({ours / once:.2f}x)")
-
+              f"{[len(s) for s in plan.segments]}: build_prompt {first * 1e3:.2f} ms "
+              f"({first / once:.2f}x), the next turn of a conversation {following * 1e3:.2f} ms "
+              f"({following / once:.2f}x); one apply_chat_template {once * 1e3:.2f} ms")
 
 if __name__ == "__main__":
     main()

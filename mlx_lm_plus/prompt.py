@@ -7,8 +7,11 @@ engine stores a cache entry at the end of each segment but the last, for
 each request at its own positions.
 """
 
+import array
 import bisect
 import itertools
+import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -361,6 +364,117 @@ def _split_tokens(backend) -> Dict[int, str]:
     return cached[1]
 
 
+def _encode(backend, text: str):
+    """(ids, offsets) of `text`. encode_batch lets go of the GIL while it
+    works (encode holds it: a megabyte prompt would stall the event loop and
+    the generation thread for a second); same ids and offsets."""
+    (encoding,) = backend.encode_batch([text], add_special_tokens=False)
+    return encoding.ids, encoding.offsets
+
+
+def _find_splits(backend, text: str, tokens, offsets, first: int = 0, start: int = 0):
+    """(token index, start, end) of the split tokens among `tokens` of
+    `text`, numbered from `first` and placed from character `start`."""
+    split_tokens = _split_tokens(backend)
+    return [
+        (first + i, start + offsets[i][0], start + offsets[i][1])
+        for i, t in enumerate(tokens)
+        if t in split_tokens and text[offsets[i][0] : offsets[i][1]] == split_tokens[t]
+    ]
+
+
+@dataclass(eq=False)
+class _Encoded:
+    text: str
+    tokens: array.array
+    splits: List[tuple]
+    ends: List[int]  # the splits' ends
+
+
+class _RecentPrompts:
+    """The last prompts one tokenizer encoded, so that a new prompt is
+    encoded from where it leaves the closest of them: the next turn of a
+    conversation repeats the last one's text up to its reply, an edit up to
+    the edited message. Its tokens there are the old prompt's, up to the
+    last split token (`_split_tokens`) ending before the texts differ: a
+    fast tokenizer tokenizes the text between split tokens piece by piece.
+    On the first prompts that take this path the whole text is encoded too
+    and must agree, else this tokenizer never takes it (as `for_prompt`)."""
+
+    SIZE = 8  # prompts kept (their text, and their tokens at 4 bytes each)
+    MIN_SHARED = 256  # characters in common below which encoding whole is as quick
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.lock = threading.Lock()  # (for changes: `entries` is replaced whole)
+        self.entries: List[_Encoded] = []  # most recently used first
+        self.verified = 0  # pieced encodings that agreed with whole ones; -1: one did not
+
+    def _closest(self, text: str):
+        """(entry, characters in common) of the entry sharing most with `text`."""
+        best, shared = None, self.MIN_SHARED - 1
+        for entry in self.entries:
+            n = _common_text(text, entry.text)
+            if n > shared:
+                best, shared = entry, n
+        return best, shared
+
+    def _pieced(self, text: str, base: _Encoded, shared: int):
+        """`text`'s (tokens, splits): `base`'s up to its last split token
+        ending within the `shared` characters, then the rest encoded. None
+        where `base` has no split token there."""
+        j = bisect.bisect_right(base.ends, shared) - 1
+        if j < 0:
+            return None
+        first, start, end = base.splits[j]
+        ids, offsets = _encode(self.backend, text[start:])
+        # (it is there, by `_split_tokens`; a check is cheap)
+        if ids[:1] != [base.tokens[first]] or offsets[0] != (0, end - start):
+            return None
+        splits = _find_splits(self.backend, text[start:], ids, offsets, first, start)
+        return base.tokens[:first].tolist() + ids, base.splits[:j] + splits
+
+    def encode(self, text: str):
+        """`text`'s tokens (a list) and split tokens."""
+        base, shared, pieced = None, 0, None
+        if self.verified >= 0:
+            base, shared = self._closest(text)
+            pieced = base and self._pieced(text, base, shared)
+        if pieced and self.verified < VERIFY_PROMPTS:
+            whole = _encode(self.backend, text)[0]
+            self.verified = self.verified + 1 if whole == pieced[0] else -1
+            if whole != pieced[0]:
+                logging.warning("Prompt planning: this tokenizer encodes a prompt in pieces "
+                                "otherwise than whole; prompts are encoded whole from now on")
+                pieced = None
+        if pieced:
+            tokens, splits = pieced
+        else:
+            ids, offsets = _encode(self.backend, text)
+            tokens, splits = ids, _find_splits(self.backend, text, ids, offsets)
+        if base is not None and shared == len(text) == len(base.text):
+            entry = base  # (the same prompt again)
+        else:
+            entry = _Encoded(text, array.array("i", tokens), splits, [e for _, _, e in splits])
+        with self.lock:
+            used = [entry] + [base] * (base is not None and base is not entry)
+            self.entries = (used + [e for e in self.entries if e not in used])[: self.SIZE]
+        return tokens, splits
+
+
+# backend tokenizer -> its _RecentPrompts
+_RECENT = weakref.WeakKeyDictionary()
+_RECENT_LOCK = threading.Lock()
+
+
+def _recent_prompts(backend) -> _RecentPrompts:
+    with _RECENT_LOCK:
+        recent = _RECENT.get(backend)
+        if recent is None:
+            recent = _RECENT[backend] = _RecentPrompts(backend)
+        return recent
+
+
 class _NotHere(Exception):
     """The fast path cannot vouch for this boundary."""
 
@@ -375,15 +489,11 @@ class _TextBoundary:
     the common end, and tokenizing that window alone gives them.
     """
 
-    def __init__(self, tokenizer, backend, text, tokens, offsets, kwargs):
+    def __init__(self, tokenizer, backend, text, tokens, splits, kwargs):
         self.tokenizer, self.backend, self.kwargs = tokenizer, backend, kwargs
         self.text, self.tokens = text, tokens
-        split_tokens = _split_tokens(backend)
         # (token index, start, end) of the prompt's split tokens, in order
-        self.splits = [
-            (i, *offsets[i]) for i, t in enumerate(tokens)
-            if t in split_tokens and text[offsets[i][0] : offsets[i][1]] == split_tokens[t]
-        ]
+        self.splits = splits
         self.starts = [s for _, s, _ in self.splits]
         self.ends = [e for _, _, e in self.splits]
 
@@ -406,11 +516,8 @@ class _TextBoundary:
         """The prompt rendered as text and tokenized once, with offsets."""
         render = {**kwargs, "tokenize": False}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
-        # encode_batch lets go of the GIL while it works (encode holds it: a
-        # megabyte prompt would stall the event loop and the generation
-        # thread for a second); same ids and offsets.
-        (encoding,) = backend.encode_batch([text], add_special_tokens=False)
-        return cls(tokenizer, backend, text, encoding.ids, encoding.offsets, render)
+        tokens, splits = _recent_prompts(backend).encode(text)
+        return cls(tokenizer, backend, text, tokens, splits, render)
 
     @classmethod
     def create(cls, tokenizer, messages, tokens, kwargs):

@@ -381,3 +381,91 @@ def test_tokenizing_a_long_prompt_lets_other_threads_run(fixture_path, monkeypat
     # About one tick a millisecond while it ran; asked for: one in ten (the
     # GIL held, a dozen in a second and a half, in the Python around it).
     assert len(ticks) >= took * 1000 / 10, (len(ticks), took)
+
+
+# --- Prompts encoded in pieces (prompt._RecentPrompts) ---
+
+
+@pytest.fixture
+def pieced(monkeypatch):
+    """Every prompt encoded from where it leaves a recent one, however little
+    they share, with no whole encoding to check it against (as after a
+    tokenizer's first prompts agreed). Returns the lengths of the texts the
+    backend encodes."""
+    monkeypatch.setattr(prompt._RecentPrompts, "MIN_SHARED", 1)
+    monkeypatch.setattr(prompt, "VERIFY_PROMPTS", 0)
+    for recent in prompt._RECENT.values():
+        monkeypatch.setattr(recent, "verified", 0)
+    encoded = []
+    real = prompt._encode
+    monkeypatch.setattr(prompt, "_encode", lambda b, text: encoded.append(len(text)) or real(b, text))
+    return encoded
+
+
+def _rendered(tokenizer, messages, **kwargs):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **kwargs)
+
+
+def test_a_conversation_turn_by_turn_is_encoded_from_its_last_turn(tokenizer, pieced):
+    """Each turn's tokens are the whole encoding's (and its boundaries the
+    reference's), while only its new text and the split token before it are
+    encoded; an edit of an earlier message and a regeneration too."""
+    messages = [system("You are a careful planner of river trips. " * 8)]
+    for t in range(5):
+        messages.append(user(f"Day {t}: the sea, the mountain village and a boat, with bread."))
+        pieced.clear()
+        _same(tokenizer, messages)
+        text = _rendered(tokenizer, messages)
+        if t:
+            assert 0 < pieced[0] < len(text) // 2, (t, pieced, len(text))
+        messages.append(assistant(f"<think>checking</think>Reply {t}: take the early boat."))
+    edited = messages[:3] + [user("Day 1, edited: the sea and the river, with fruit.")]
+    for variant in (edited, edited, messages[:-1] + [user("Day 4, once more.")]):
+        pieced.clear()
+        _same(tokenizer, variant)
+        assert pieced[0] < len(_rendered(tokenizer, variant)) // 2, pieced
+
+
+edits = st.tuples(st.integers(0, 10), st.integers(0, 1000), st.integers(0, 3), contents)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(messages=conversations(), changes=st.lists(edits, min_size=1, max_size=4))
+def test_edited_conversations_encode_in_pieces_as_whole(tokenizer, pieced, messages, changes):
+    """A conversation, then edits of it (text put in, taken out or replaced
+    anywhere in a message, a message added): each is encoded from the one
+    before as the whole encoding does."""
+    _same(tokenizer, messages)
+    for index, at, cut, piece in changes:
+        messages = [dict(m) for m in messages]
+        if index >= len(messages):
+            messages.append(user(piece) if messages[-1]["role"] != "user" else assistant(piece))
+        else:
+            content = messages[index]["content"]
+            at = min(at, len(content))
+            messages[index]["content"] = content[:at] + piece + content[at + cut:]
+        _same(tokenizer, messages)
+
+
+def test_a_tokenizer_that_encodes_pieces_otherwise_is_encoded_whole(fixture_path, monkeypatch):
+    """The first prompts encoded in pieces are encoded whole too: one
+    disagreement and that tokenizer's prompts are encoded whole from then."""
+    tokenizer = load_tokenizer(Path(fixture_path("qwen3")))  # a backend of its own
+    kwargs = dict(tools=None, tokenize=True)
+    messages = [system("You plan trips. " * 30), user("The river, day one.")]
+    prompt._TextBoundary.for_prompt(tokenizer, messages, kwargs)
+    real = prompt._RecentPrompts._pieced
+    monkeypatch.setattr(prompt._RecentPrompts, "_pieced",
+                        lambda *a: (lambda p: p and ([*p[0], 0], p[1]))(real(*a)))
+    later = messages + [assistant("Take the boat."), user("And day two?")]
+    want = tokenizer.apply_chat_template(later, add_generation_prompt=True)
+    assert prompt._TextBoundary.for_prompt(tokenizer, later, kwargs).tokens == want
+    backend = prompt._TextBoundary._backend(tokenizer, kwargs)
+    assert prompt._recent_prompts(backend).verified == -1
+    calls = []
+    monkeypatch.setattr(prompt._RecentPrompts, "_pieced", lambda *a: calls.append(1))
+    later = later + [assistant("Fine."), user("Day three?")]
+    assert prompt._TextBoundary.for_prompt(tokenizer, later, kwargs).tokens == \
+        tokenizer.apply_chat_template(later, add_generation_prompt=True)
+    assert not calls
