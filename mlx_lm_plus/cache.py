@@ -1021,7 +1021,9 @@ class PromptStore:
         if not self.share_kv:  # every layer the entry's own
             if not own:
                 cache = [own_buffers(c, copied_from) for c in cache]
-            cache = quantize_for_store(compact(cache), self.bits, self.group_size)
+            cache = compact(cache)  # (evaluates the copies)
+            copied_from.clear()
+            cache = quantize_for_store(cache, self.bits, self.group_size)
             return cache, [], ()
         for c in cache:
             if isinstance(c, StoredKV) and (c.bits, c.group_size) != (self.bits, self.group_size):

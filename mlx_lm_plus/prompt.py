@@ -385,10 +385,19 @@ def _find_splits(backend, text: str, tokens, offsets, first: int = 0, start: int
 
 @dataclass(eq=False)
 class _Encoded:
+    """A prompt as `_RecentPrompts` keeps it: flat arrays, not lists of
+    Python ints and tuples (a prompt of split tokens held 190 bytes each)."""
     text: str
     tokens: array.array
-    splits: List[tuple]
-    ends: List[int]  # the splits' ends
+    splits: array.array  # (token index, start, end) of its split tokens, flat
+    ends: array.array  # the splits' ends
+
+    def split(self, j: int) -> tuple:
+        return tuple(self.splits[3 * j : 3 * j + 3])
+
+    def splits_before(self, j: int) -> List[tuple]:
+        s = self.splits
+        return list(zip(s[0 : 3 * j : 3], s[1 : 3 * j : 3], s[2 : 3 * j : 3]))
 
 
 class _RecentPrompts:
@@ -399,13 +408,16 @@ class _RecentPrompts:
     last split token (`_split_tokens`) ending before the texts differ: a
     fast tokenizer tokenizes the text between split tokens piece by piece.
     On the first prompts that take this path the whole text is encoded too
-    and must agree, else this tokenizer never takes it (as `for_prompt`)."""
+    and must agree, else this tokenizer never takes it (as `for_prompt`).
 
-    SIZE = 8  # prompts kept (their text, and their tokens at 4 bytes each)
+    It does not hold the tokenizer (`_RECENT` is keyed by it, weakly: an
+    unloaded model's tokenizer goes, and this with it)."""
+
+    SIZE = 8  # prompts kept (their text, and their tokens at 4 bytes each) ...
+    MAX_CHARS = 1 << 21  # ... while they hold at most this much text
     MIN_SHARED = 256  # characters in common below which encoding whole is as quick
 
-    def __init__(self, backend):
-        self.backend = backend
+    def __init__(self):
         self.lock = threading.Lock()  # (for changes: `entries` is replaced whole)
         self.entries: List[_Encoded] = []  # most recently used first
         self.verified = 0  # pieced encodings that agreed with whole ones; -1: one did not
@@ -419,30 +431,36 @@ class _RecentPrompts:
                 best, shared = entry, n
         return best, shared
 
-    def _pieced(self, text: str, base: _Encoded, shared: int):
+    @staticmethod
+    def _pieced(backend, text: str, base: _Encoded, shared: int):
         """`text`'s (tokens, splits): `base`'s up to its last split token
         ending within the `shared` characters, then the rest encoded. None
         where `base` has no split token there."""
         j = bisect.bisect_right(base.ends, shared) - 1
         if j < 0:
             return None
-        first, start, end = base.splits[j]
-        ids, offsets = _encode(self.backend, text[start:])
+        first, start, end = base.split(j)
+        ids, offsets = _encode(backend, text[start:])
         # (it is there, by `_split_tokens`; a check is cheap)
         if ids[:1] != [base.tokens[first]] or offsets[0] != (0, end - start):
             return None
-        splits = _find_splits(self.backend, text[start:], ids, offsets, first, start)
-        return base.tokens[:first].tolist() + ids, base.splits[:j] + splits
+        splits = _find_splits(backend, text[start:], ids, offsets, first, start)
+        return base.tokens[:first].tolist() + ids, base.splits_before(j) + splits
 
-    def encode(self, text: str):
+    def _agrees(self, agrees: bool):
+        with self.lock:  # (-1 stays: a check that began before it does not undo it)
+            if self.verified >= 0:
+                self.verified = self.verified + 1 if agrees else -1
+
+    def encode(self, backend, text: str):
         """`text`'s tokens (a list) and split tokens."""
         base, shared, pieced = None, 0, None
         if self.verified >= 0:
             base, shared = self._closest(text)
-            pieced = base and self._pieced(text, base, shared)
+            pieced = base and self._pieced(backend, text, base, shared)
         if pieced and self.verified < VERIFY_PROMPTS:
-            whole = _encode(self.backend, text)[0]
-            self.verified = self.verified + 1 if whole == pieced[0] else -1
+            whole = _encode(backend, text)[0]
+            self._agrees(whole == pieced[0])
             if whole != pieced[0]:
                 logging.warning("Prompt planning: this tokenizer encodes a prompt in pieces "
                                 "otherwise than whole; prompts are encoded whole from now on")
@@ -450,16 +468,29 @@ class _RecentPrompts:
         if pieced:
             tokens, splits = pieced
         else:
-            ids, offsets = _encode(self.backend, text)
-            tokens, splits = ids, _find_splits(self.backend, text, ids, offsets)
-        if base is not None and shared == len(text) == len(base.text):
-            entry = base  # (the same prompt again)
-        else:
-            entry = _Encoded(text, array.array("i", tokens), splits, [e for _, _, e in splits])
-        with self.lock:
-            used = [entry] + [base] * (base is not None and base is not entry)
-            self.entries = (used + [e for e in self.entries if e not in used])[: self.SIZE]
+            ids, offsets = _encode(backend, text)
+            tokens, splits = ids, _find_splits(backend, text, ids, offsets)
+        if self.verified < 0:
+            self.entries = []
+        elif base is not None and shared == len(text) == len(base.text):
+            self._keep(base)  # (the same prompt again)
+        elif len(text) <= self.MAX_CHARS:
+            flat = array.array("q", itertools.chain.from_iterable(splits))
+            self._keep(_Encoded(text, array.array("i", tokens), flat, flat[2::3]), base)
         return tokens, splits
+
+    def _keep(self, entry: _Encoded, base: Optional[_Encoded] = None):
+        """`entry` first, then `base` (the one it came from), then the rest,
+        as many as SIZE and MAX_CHARS allow."""
+        with self.lock:
+            used = [e for e in (entry, base) if e is not None]
+            kept, chars = [], 0
+            for e in used + [e for e in self.entries if e not in used]:
+                chars += len(e.text)
+                if len(kept) == self.SIZE or chars > self.MAX_CHARS:
+                    break
+                kept.append(e)
+            self.entries = kept
 
 
 # backend tokenizer -> its _RecentPrompts
@@ -471,7 +502,7 @@ def _recent_prompts(backend) -> _RecentPrompts:
     with _RECENT_LOCK:
         recent = _RECENT.get(backend)
         if recent is None:
-            recent = _RECENT[backend] = _RecentPrompts(backend)
+            recent = _RECENT[backend] = _RecentPrompts()
         return recent
 
 
@@ -516,7 +547,7 @@ class _TextBoundary:
         """The prompt rendered as text and tokenized once, with offsets."""
         render = {**kwargs, "tokenize": False}
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **render)
-        tokens, splits = _recent_prompts(backend).encode(text)
+        tokens, splits = _recent_prompts(backend).encode(backend, text)
         return cls(tokenizer, backend, text, tokens, splits, render)
 
     @classmethod
@@ -548,7 +579,9 @@ class _TextBoundary:
         if checked < VERIFY_PROMPTS:
             agrees = fast.tokens == list(tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs))
-            _VERIFIED[backend] = checked + 1 if agrees else -1
+            with _RECENT_LOCK:  # (-1 stays: a check that began before it does not undo it)
+                if _VERIFIED.get(backend, 0) >= 0:
+                    _VERIFIED[backend] = _VERIFIED.get(backend, 0) + 1 if agrees else -1
             if not agrees:
                 return None
         return fast

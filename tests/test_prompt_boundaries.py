@@ -456,16 +456,105 @@ def test_a_tokenizer_that_encodes_pieces_otherwise_is_encoded_whole(fixture_path
     messages = [system("You plan trips. " * 30), user("The river, day one.")]
     prompt._TextBoundary.for_prompt(tokenizer, messages, kwargs)
     real = prompt._RecentPrompts._pieced
-    monkeypatch.setattr(prompt._RecentPrompts, "_pieced",
-                        lambda *a: (lambda p: p and ([*p[0], 0], p[1]))(real(*a)))
+    monkeypatch.setattr(prompt._RecentPrompts, "_pieced", staticmethod(
+        lambda *a: (lambda p: p and ([*p[0], 0], p[1]))(real(*a))))
     later = messages + [assistant("Take the boat."), user("And day two?")]
     want = tokenizer.apply_chat_template(later, add_generation_prompt=True)
     assert prompt._TextBoundary.for_prompt(tokenizer, later, kwargs).tokens == want
     backend = prompt._TextBoundary._backend(tokenizer, kwargs)
     assert prompt._recent_prompts(backend).verified == -1
     calls = []
-    monkeypatch.setattr(prompt._RecentPrompts, "_pieced", lambda *a: calls.append(1))
+    monkeypatch.setattr(prompt._RecentPrompts, "_pieced", staticmethod(lambda *a: calls.append(1)))
     later = later + [assistant("Fine."), user("Day three?")]
     assert prompt._TextBoundary.for_prompt(tokenizer, later, kwargs).tokens == \
         tokenizer.apply_chat_template(later, add_generation_prompt=True)
     assert not calls
+
+
+def test_a_disagreement_stays_whatever_checks_were_under_way(fixture_path, monkeypatch):
+    """Two threads plan prompts (the planning thread, the generation thread
+    at admission): a check that began before another found a disagreement
+    does not count the tokenizer back in when it agrees."""
+    import threading
+
+    backend = load_tokenizer(Path(fixture_path("qwen3"))).backend_tokenizer
+    recent = prompt._RecentPrompts()
+    head = "<|im_start|>system\n" + "You plan trips. " * 40 + "<|im_end|>\n"
+
+    def turn(s):
+        return head + f"<|im_start|>user\n{s}<|im_end|>\n<|im_start|>assistant\n"
+
+    recent.encode(backend, turn("first"))
+    real_pieced, real_encode = prompt._RecentPrompts._pieced, prompt._encode
+
+    def pieced(*args):  # pieces otherwise than whole, for texts with BAD
+        p = real_pieced(*args)
+        return p and ([*p[0], 0] if "BAD" in args[1] else p[0], p[1])
+
+    agreeing, disagreed = turn("fine"), threading.Event()
+
+    def encode(b, text):
+        if text == agreeing:  # its check ends after the disagreement
+            disagreed.wait(10)
+        return real_encode(b, text)
+
+    monkeypatch.setattr(prompt._RecentPrompts, "_pieced", staticmethod(pieced))
+    monkeypatch.setattr(prompt, "_encode", encode)
+    checking = threading.Thread(target=recent.encode, args=(backend, agreeing))
+    checking.start()
+    recent.encode(backend, turn("BAD"))
+    disagreed.set()
+    checking.join()
+    assert recent.verified == -1 and recent.entries == []
+    for i in range(prompt.VERIFY_PROMPTS + 1):
+        text = turn(f"BAD {i}")
+        assert recent.encode(backend, text)[0] == backend.encode(text, add_special_tokens=False).ids
+
+
+def test_what_planning_keeps_goes_with_the_tokenizer_and_is_bounded(fixture_path, monkeypatch):
+    """The recent prompts are dropped with their tokenizer (an unloaded
+    model's), and hold at most MAX_CHARS of text: a longer prompt is not kept."""
+    import gc
+    import weakref
+
+    tokenizer = load_tokenizer(Path(fixture_path("qwen3")))
+    backend = weakref.ref(tokenizer.backend_tokenizer)
+    kwargs = dict(tools=None, tokenize=True)
+    monkeypatch.setattr(prompt._RecentPrompts, "MAX_CHARS", 5000)
+    texts = []
+    for n in (100, 150, 300):  # 2,000, 3,000 and 6,000 characters
+        messages = [user("The river, day one. " * n)]
+        prompt._TextBoundary.for_prompt(tokenizer, messages, kwargs)
+        texts.append(_rendered(tokenizer, messages))
+    recent = prompt._RECENT[backend()]
+    assert [e.text for e in recent.entries] == texts[1:2]
+    del tokenizer, recent
+    gc.collect()
+    assert backend() is None
+
+
+def test_a_template_disagreement_stays_whatever_checks_were_under_way(fixture_path, monkeypatch):
+    """for_prompt's check against apply_chat_template: the same, for a
+    tokenizer whose encode disagreed while another prompt was being checked."""
+    import threading
+
+    tokenizer = load_tokenizer(Path(fixture_path("qwen3")))  # a backend of its own
+    kwargs = dict(tools=None, tokenize=True)
+    real = type(tokenizer).apply_chat_template
+    disagreed = threading.Event()
+
+    def template(self, messages, *args, tokenize=True, **kw):
+        out = real(self, messages, *args, tokenize=tokenize, **kw)
+        if tokenize and messages[0]["content"] == "fine":
+            disagreed.wait(10)  # (its check ends after the disagreement)
+        return out + [0] if tokenize and messages[0]["content"] == "BAD" else out
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", template)
+    checking = threading.Thread(target=prompt._TextBoundary.for_prompt,
+                                args=(tokenizer, [user("fine")], kwargs))
+    checking.start()
+    assert prompt._TextBoundary.for_prompt(tokenizer, [user("BAD")], kwargs) is None
+    disagreed.set()
+    checking.join()
+    backend = prompt._TextBoundary._backend(tokenizer, kwargs)
+    assert prompt._VERIFIED[backend] == -1
