@@ -3,6 +3,8 @@
     python -m benchmarks run --model-kind hybrid --workload multiturn --against upstream
     python -m benchmarks run --model-kind hybrid --all --rounds 3 --json out.json
     python -m benchmarks run --model PATH --all --against "my-server --flag"
+    python -m benchmarks run --model-kind hybrid --workload multiturn --against-tree /tmp/old
+        (/tmp/old: an earlier commit, e.g. `git archive HEAD~1 | tar -x -C /tmp/old`)
 
 For each workload and round, each server is started fresh on a free
 loopback port, driven with streaming clients, and stopped; the order
@@ -19,12 +21,15 @@ embedded SmolLM2-135M), or any kind of tests/fixtures.py.
 import argparse
 import asyncio
 import json
+import os
 import platform
 import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List, Optional
 
 from benchmarks.harness import add_model_args, fixture_or_model, median, session, window_rate
 from benchmarks.workloads import (
@@ -90,13 +95,25 @@ def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):
     return tps
 
 
-def run_once(command, model, name, args, tokenizer, bare, log) -> dict:
+@dataclass
+class Launch:
+    """A server's command, and the checkout it runs in (None: this folder)."""
+    command: List[str]
+    cwd: Optional[Path] = None
+
+    def server(self, args: List[str], log: Optional[Path] = None) -> ServerProcess:
+        # (`python -m` imports from its working folder before PYTHONPATH.)
+        return ServerProcess(self.command, args, log=log, cwd=self.cwd,
+                             env=dict(PYTHONPATH=str(self.cwd)) if self.cwd else None)
+
+
+def run_once(command: Launch, model, name, args, tokenizer, bare, log) -> dict:
     extra = []
     if name == "memory":
         extra = ["--prompt-cache-bytes", str(args.memory_budget)]
     elif name == "admission":
         extra = ["--prefill-step-size", str(ADMISSION_STEP)]
-    server = ServerProcess(command, ["--model", model, *extra], log=log)
+    server = command.server(["--model", model, *extra], log=log)
 
     async def drive():
         async with session() as http:
@@ -147,7 +164,7 @@ def print_table(name, results, labels):
         ratio = (f"{a / b:.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float))
                  and b else "-")
         if isinstance(a, (list, str)) or isinstance(b, (list, str)):
-            print(f"{key:<44}\n    {labels[1]}: {_fmt(b)}\n    {labels[0]}: {_fmt(a)}")
+            print(f"{key + ' (round 1)':<44}\n    {labels[1]}: {_fmt(b)}\n    {labels[0]}: {_fmt(a)}")
         else:
             print(f"{key:<44} {_fmt(b):>12} {_fmt(a):>12} {ratio:>12}")
 
@@ -162,7 +179,12 @@ def main(argv=None):
     p.add_argument("--all", action="store_true", help="every workload")
     p.add_argument("--against", default="upstream",
                    help='"upstream" (mlx_lm.server 0.32.2) or a launch command that takes '
-                        "--model, --host and --port")
+                        "--model, --host and --port (run in this folder: a `python -m "
+                        "mlx_lm_plus.server` there imports this folder's code, whatever "
+                        "PYTHONPATH says; see --against-tree)")
+    p.add_argument("--against-tree", type=Path,
+                   help="another checkout of this project (an earlier commit): its server, "
+                        "run in that folder, is the other side")
     p.add_argument("--rounds", type=int, default=2, help="A B rounds (alternating order)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--memory-budget", type=int, default=4 << 20,
@@ -170,6 +192,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="short workloads: does it all run")
     p.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
+    if args.against_tree:
+        args.against_tree = args.against_tree.resolve()
+        if not (args.against_tree / "mlx_lm_plus" / "server.py").is_file():
+            parser.error(f"--against-tree {args.against_tree}: no mlx_lm_plus/server.py there")
 
     names = list(WORKLOADS) if args.all or not args.workload else args.workload
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-bench-"))
@@ -178,9 +204,13 @@ def main(argv=None):
 
     if not is_vision_model(model):
         names = [n for n in names if n not in VISION_WORKLOADS]
-    other = UPSTREAM if args.against == "upstream" else shlex.split(args.against)
-    labels = ("ours", "upstream" if args.against == "upstream" else "theirs")
-    servers = {labels[0]: OURS, labels[1]: other}
+    labels = ("ours", "upstream" if args.against == "upstream" and not args.against_tree
+              else "theirs")
+    if args.against_tree:
+        other = Launch(OURS, args.against_tree)
+    else:
+        other = Launch(UPSTREAM if args.against == "upstream" else shlex.split(args.against))
+    servers = {labels[0]: Launch(OURS), labels[1]: other}
 
     from mlx_lm.utils import load_tokenizer
 
@@ -193,6 +223,8 @@ def main(argv=None):
         "model": model, "model_kind": None if args.model else args.model_kind,
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
         "rounds": args.rounds, "smoke": args.smoke, "workloads": {},
+        "servers": {label: {"command": launch.command, "cwd": str(launch.cwd or os.getcwd())}
+                    for label, launch in servers.items()},
     }
     try:
         import mlx.core as mx
@@ -202,6 +234,8 @@ def main(argv=None):
         report["machine"]["mlx_lm"] = mlx_lm.__version__
     except Exception:
         pass
+    for label, launch in servers.items():
+        print(f"{label}: {' '.join(launch.command)} (in {launch.cwd or os.getcwd()})")
     print(f"model: {model}\nmachine: {report['machine']}\nrounds: {args.rounds} "
           f"(alternating order), max_tokens {args.max_tokens}{', smoke' if args.smoke else ''}")
     for name in names:

@@ -30,20 +30,22 @@ class ServerProcess:
 
     def __init__(self, command: List[str], args: List[str], *, log: Optional[Path] = None,
                  env: Optional[dict] = None, port: Optional[int] = None,
-                 startup_timeout: float = 300):
+                 startup_timeout: float = 300, cwd: Optional[Path] = None):
         self.port = port or free_port()
         self.command = list(command) + list(args) + ["--host", "127.0.0.1", "--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
+        # (`python -m` imports from its working folder first, PYTHONPATH after.)
+        self.cwd = cwd
         self.proc = None
 
     def start(self):
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-            start_new_session=True,
+            start_new_session=True, cwd=self.cwd,
         )
         return self.wait_healthy()
 

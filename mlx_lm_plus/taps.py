@@ -144,7 +144,7 @@ def install(model) -> Optional[Recorder]:
     except Exception:
         kinds = []
     # (Rotating windows and chunked KV do not hold a prefix of the end.)
-    if ArraysCache in kinds and not all(k in (KVCache, ArraysCache) for k in kinds):
+    if ArraysCache in kinds and not all(k is ArraysCache or _holds_prefix(k) for k in kinds):
         logging.info("Checkpoints inside prompt chunks: off for layers of kinds "
                      f"{sorted({k.__name__ for k in kinds})}; one model call each")
     elif ArraysCache in kinds:
@@ -170,6 +170,14 @@ def install(model) -> Optional[Recorder]:
             recorder = None
     object.__setattr__(model, "_tap_recorder", recorder)
     return recorder
+
+
+def _holds_prefix(kind: type) -> bool:
+    """A KVCache, or a subclass that stores and trims as it does (a vision
+    model's MRopeKVCache, which only carries its M-RoPE delta along): its
+    keys up to a position are the layer's cache at that position."""
+    return issubclass(kind, KVCache) and all(
+        getattr(kind, name) is getattr(KVCache, name) for name in ("update_and_fetch", "trim"))
 
 
 PROBE_TOKENS, PROBE_CUTS = 9, (3, 5)

@@ -123,3 +123,43 @@ def test_slow_heads_benchmark(fixture_path):
         (run,) = runs[name]
         assert run == {"opened": 20, "answered": 1, "probes": 1, "median_ms": run["median_ms"],
                        "held_still_open": 20}, (name, run)
+
+
+FAKE_SERVER = '''
+import argparse, http.server, json
+parser = argparse.ArgumentParser()
+for flag in ("--model", "--host", "--port"):
+    parser.add_argument(flag)
+args = parser.parse_args()
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"file": __file__}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.HTTPServer((args.host, int(args.port)), Health).serve_forever()
+'''
+
+
+def test_against_tree_runs_that_checkouts_server(tmp_path):
+    """--against-tree's side is the other checkout's code: `python -m` run in
+    this folder would import this folder's mlx_lm_plus whatever PYTHONPATH
+    says (an A/B of a change against its parent was the change against
+    itself)."""
+    import urllib.request
+
+    from benchmarks.__main__ import Launch
+    from compat.launch import OURS
+
+    tree = tmp_path / "other"
+    (tree / "mlx_lm_plus").mkdir(parents=True)
+    (tree / "mlx_lm_plus" / "__init__.py").write_text("")
+    (tree / "mlx_lm_plus" / "server.py").write_text(FAKE_SERVER)
+    with Launch(OURS, tree).server(["--model", "unused"], log=tmp_path / "log") as s:
+        with urllib.request.urlopen(s.url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["file"] == str(tree / "mlx_lm_plus" / "server.py")
+    with pytest.raises(SystemExit):
+        main(["run", "--workload", "multiturn", "--against-tree", str(tmp_path / "none")])

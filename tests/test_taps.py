@@ -13,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache
 import patches
 from mlx_lm_plus import taps
 from tests.engine_harness import EngineRunner
+from tests.test_vision import image_part, noise, user
 
 # Recurrences run token by token: cut exactly, tapped.
 TAPPED_KINDS = ["qwen3_5", "olmo_hybrid", "jamba", "mamba"]
@@ -190,22 +191,30 @@ def _count_calls(monkeypatch, model):
 SYSTEM = "You are a careful assistant who plans trips. " * 6
 
 
-@pytest.mark.parametrize("tapping", [True, False])
-def test_a_turn_is_one_prefill_call_with_its_checkpoints(tapping, fixture_path, monkeypatch):
+@pytest.mark.parametrize("kind, tapping", [("qwen3_5", True), ("qwen3_5", False),
+                                           ("qwen3_5_vl", True)])
+def test_a_turn_is_one_prefill_call_with_its_checkpoints(kind, tapping, fixture_path,
+                                                          monkeypatch):
     """A conversation's later turn stores a state at the start of its last
     user message (for an edit of it) and at the end of its prompt: with taps
     both come from one prefill call, as upstream's turn makes; without, each
     checkpoint ends a call. The checkpoint serves an edit of that message,
-    and replies equal a cache-off server's."""
+    and replies equal a cache-off server's. On a vision model (mlx-vlm's
+    Qwen 3.5, whose attention layers carry an M-RoPE delta) the first
+    message has a picture: the checkpoints after it keep its delta."""
     if not tapping:
         monkeypatch.setattr(taps, "install", lambda model: None)
-    runner = EngineRunner(fixture_path("qwen3_5"))
-    cold = EngineRunner(fixture_path("qwen3_5"), max_bytes=0)
+    runner = EngineRunner(fixture_path(kind))
+    cold = EngineRunner(fixture_path(kind), max_bytes=0)
     try:
         calls = _count_calls(monkeypatch, runner.loaded.model)
         messages = [{"role": "system", "content": SYSTEM}]
         for t in range(3):
-            messages.append({"role": "user", "content": f"Turn {t}: plan day {t} by the sea."})
+            text = f"Turn {t}: plan day {t} by the sea."
+            if kind.endswith("_vl") and t == 0:
+                messages.append(user(image_part(noise(3)), text))
+            else:
+                messages.append({"role": "user", "content": text})
             calls.clear()
             tokens, prompt, cached = runner.run({"messages": messages, "max_tokens": 4})
             prefill = [n for n in calls if n > 1]
@@ -214,8 +223,10 @@ def test_a_turn_is_one_prefill_call_with_its_checkpoints(tapping, fixture_path, 
                 assert sum(prefill) == prompt - cached - 1
             text = runner.loaded.tokenizer.decode(tokens)
             messages.append({"role": "assistant", "content": text})
+        # (The first turn's, at the start of its message, precedes the
+        # picture: the picture's prefill stores it.)
         kinds = sorted(e.kind for e in runner.store.entries())
-        assert kinds.count("checkpoint") == 2, kinds
+        assert kinds.count("checkpoint") == 2 + kind.endswith("_vl"), kinds
         # An edit of the last user message resumes at its start.
         edited = messages[:-2] + [{"role": "user", "content": "Something else entirely."}]
         start = max(e.ntokens for e in runner.store.entries() if e.kind == "checkpoint")
