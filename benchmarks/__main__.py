@@ -47,12 +47,15 @@ KINDS = {"attention": "qwen3", "hybrid": "qwen3_5", "mid": "qwen3_mid", "vision"
 
 
 def resolve_model(args, work: Path) -> str:
+    """The model both servers get: a folder here is made absolute (a server
+    run in another checkout, --against-tree, resolves a relative one there)."""
     if not args.model and args.model_kind == "demo":
         from mlx_lm_plus.demo import demo_model_path
 
         return str(demo_model_path())
     args.model_kind = KINDS.get(args.model_kind, args.model_kind)
-    return fixture_or_model(args, work / "fixtures")
+    model = fixture_or_model(args, work / "fixtures")
+    return str(Path(model).resolve()) if Path(model).exists() else model
 
 
 def bare_loop(model_path: str, max_tokens: int = OVERHEAD_TOKENS):

@@ -204,6 +204,7 @@ def _probe(model, recorder: Recorder) -> bool:
         mx.eval(untapped, logits, recorder.states, [c.state for c in whole + tapped])
     finally:
         states, recorder.cuts, recorder.states = recorder.states, None, {}
+        recorder.sources = []  # (the probe's own arrays: kept until a tapped chunk otherwise)
     if not _same(logits, untapped):
         return False
     for a, b in zip(tapped, whole):

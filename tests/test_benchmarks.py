@@ -163,3 +163,19 @@ def test_against_tree_runs_that_checkouts_server(tmp_path):
             assert json.loads(r.read())["file"] == str(tree / "mlx_lm_plus" / "server.py")
     with pytest.raises(SystemExit):
         main(["run", "--workload", "multiturn", "--against-tree", str(tmp_path / "none")])
+
+
+def test_a_model_folder_given_relative_reaches_servers_absolute(fixture_path, tmp_path,
+                                                                 monkeypatch):
+    """A server run in another checkout (--against-tree) would look for a
+    relative --model there; a name that is no folder here (a hub id) is
+    passed as it is."""
+    import argparse
+
+    from benchmarks.__main__ import resolve_model
+
+    monkeypatch.chdir(fixture_path("qwen3").parent)
+    args = argparse.Namespace(model="qwen3", model_kind="hybrid")
+    assert resolve_model(args, tmp_path) == str(fixture_path("qwen3").resolve())
+    args = argparse.Namespace(model="org/not-a-folder-here", model_kind="hybrid")
+    assert resolve_model(args, tmp_path) == "org/not-a-folder-here"

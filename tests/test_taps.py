@@ -128,6 +128,20 @@ def test_mixers_whose_sums_change_when_cut_are_not_tapped(kind, dtype, fixture_p
     assert [type(m) for _, m in model.named_modules()] == classes
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl"])
+def test_the_probe_keeps_nothing(kind, fixture_path):
+    """What the probe's taps kept goes with it: a model that never taps a
+    chunk held every recurrent layer's probe states for good."""
+    from mlx_lm_plus.models import ModelProvider
+    from mlx_lm_plus.server import parse_args
+
+    provider = ModelProvider(parse_args(["--model", str(fixture_path(kind))]))
+    model = provider.load(provider.default_key).model
+    recorder = taps.install(model)
+    assert recorder is not None
+    assert recorder.sources == [] and recorder.states == {} and recorder.cuts is None
+
+
 def test_models_without_recurrent_layers_are_left_alone(fixture_path):
     model, _ = load(str(fixture_path("qwen3")))
     classes = [type(m) for _, m in model.named_modules()]
