@@ -18,8 +18,9 @@ row compute what one call does, as chunked prefill does. The attention KV at
 p is a prefix of the row's KV after the call.
 
 Upstream has no way to read a state inside a call, hence this module. It
-applies only to models whose every layer is a plain KVCache or an
-ArraysCache, and only where a probe at load agrees (`install`); others keep
+applies only to models whose every layer is an ArraysCache or a KVCache (or
+a subclass that stores as it does: a vision model's MRopeKVCache), and only
+where a probe at load agrees (`install`); others keep
 one call per checkpoint. A tap that did not get every recurrent layer's
 state stores nothing (`TappingPromptBatch.prompt`).
 """

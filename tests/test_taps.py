@@ -215,7 +215,7 @@ def test_a_turn_is_one_prefill_call_with_its_checkpoints(kind, tapping, fixture_
     checkpoint ends a call. The checkpoint serves an edit of that message,
     and replies equal a cache-off server's. On a vision model (mlx-vlm's
     Qwen 3.5, whose attention layers carry an M-RoPE delta) the first
-    message has a picture: the checkpoints after it keep its delta."""
+    message has a picture, and the edit resumes after it with its delta."""
     if not tapping:
         monkeypatch.setattr(taps, "install", lambda model: None)
     runner = EngineRunner(fixture_path(kind))
