@@ -105,7 +105,6 @@ class Launch:
     cwd: Optional[Path] = None
 
     def server(self, args: List[str], log: Optional[Path] = None) -> ServerProcess:
-        # (`python -m` imports from its working folder before PYTHONPATH.)
         return ServerProcess(self.command, args, log=log, cwd=self.cwd,
                              env=dict(PYTHONPATH=str(self.cwd)) if self.cwd else None)
 

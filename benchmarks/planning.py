@@ -89,5 +89,6 @@ def main(argv=None):
               f"({first / once:.2f}x), the next turn of a conversation {following * 1e3:.2f} ms "
               f"({following / once:.2f}x); one apply_chat_template {once * 1e3:.2f} ms")
 
+
 if __name__ == "__main__":
     main()

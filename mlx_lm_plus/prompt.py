@@ -337,6 +337,12 @@ _VERIFIED = weakref.WeakKeyDictionary()
 VERIFY_PROMPTS = 3
 
 
+def _checked(count: int, agrees: bool) -> int:
+    """A verification count after one more check. -1 stays: a check that
+    began before a disagreement does not undo it (callers hold a lock)."""
+    return -1 if count < 0 or not agrees else count + 1
+
+
 def _split_tokens(backend) -> Dict[int, str]:
     """id -> text of the added tokens that cut any text they occur in.
 
@@ -448,9 +454,8 @@ class _RecentPrompts:
         return base.tokens[:first].tolist() + ids, base.splits_before(j) + splits
 
     def _agrees(self, agrees: bool):
-        with self.lock:  # (-1 stays: a check that began before it does not undo it)
-            if self.verified >= 0:
-                self.verified = self.verified + 1 if agrees else -1
+        with self.lock:
+            self.verified = _checked(self.verified, agrees)
 
     def encode(self, backend, text: str):
         """`text`'s tokens (a list) and split tokens."""
@@ -579,9 +584,8 @@ class _TextBoundary:
         if checked < VERIFY_PROMPTS:
             agrees = fast.tokens == list(tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs))
-            with _RECENT_LOCK:  # (-1 stays: a check that began before it does not undo it)
-                if _VERIFIED.get(backend, 0) >= 0:
-                    _VERIFIED[backend] = _VERIFIED.get(backend, 0) + 1 if agrees else -1
+            with _RECENT_LOCK:  # (the module's lock for its per-tokenizer tables)
+                _VERIFIED[backend] = _checked(_VERIFIED.get(backend, 0), agrees)
             if not agrees:
                 return None
         return fast

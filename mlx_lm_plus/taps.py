@@ -350,6 +350,8 @@ class TappingBatchGenerator(BatchGenerator):
 
     def take_tapped(self) -> Dict[int, List[Tuple[int, Optional[List[Any]]]]]:
         tapped = self._prompt_batch.tapped
+        if not tapped:  # (every step: no dict made for nothing)
+            return {}
         out = dict(tapped)
         tapped.clear()
         return out
