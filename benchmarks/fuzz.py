@@ -7,8 +7,12 @@ Generates request bodies for every endpoint: completions bodies (every field
 the server reads, set to valid values, to values of every JSON type, to
 boundary numbers, to odd Unicode, with mixed content parts, broken base64 and
 tiny real images), raw bodies (invalid JSON, non-UTF-8, empty, 10**5000,
-NaN/Infinity literals, deep nesting, JSON that is not an object) and
-GET/DELETE/OPTIONS/POST on the other routes. One request in five carries an
+NaN/Infinity literals, deep nesting, JSON that is not an object), bodies
+of every protocol (chat, Messages, Responses; streamed or not) nesting
+arrays at the server's bound and at json's own limit, and
+GET/DELETE/OPTIONS/POST on the other routes. Every FLOOD_EVERY batches, a
+schema flood: FLOOD_SCHEMAS large distinct schemas at once, and a plain
+request behind them that must be answered within FLOOD_PLAIN_SECONDS. One request in five carries an
 odd header (Origin, Host, Content-Encoding...), one in eight sends its body
 10 ms after its headers. The oracle, for each response:
 
@@ -17,7 +21,9 @@ odd header (Origin, Host, Content-Encoding...), one in eight sends its body
     dropped connection, never a timeout (the client waits TIMEOUT seconds);
   * the body is strict JSON (no NaN/Infinity), with a string `error` on a 4xx;
     a 200 stream is SSE lines `data: <json>` / `data: [DONE]` / `: comment`,
-    ending with [DONE] and without an error event; a 200 completion has
+    ending with [DONE] and without an error event (Messages and Responses:
+    `event:` blocks ending with message_stop / response.completed or
+    .incomplete), one response only; a 200 completion has
     choices and at most max_tokens completion tokens. The exceptions: 404
     bodies may be upstream's plain `Not Found` (api.py `not_found`), a request
     line or header over aiohttp's 8190 bytes gets its parser's plain 400,
@@ -67,6 +73,11 @@ CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 CHAT_ALIAS = "/chat/completions"
 COMPLETION_PATHS = (CHAT, TEXT, CHAT_ALIAS)
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+# The server's bound on nesting (bodies.MAX_JSON_DEPTH), and json's own
+# limit (the recursion limit, about 1,000): deep cases sit at both edges.
+MAX_JSON_DEPTH = 128
 TIMEOUT = 30.0
 CHECK_EVERY = 25
 TOKENS_CEILING = 64
@@ -473,6 +484,11 @@ class Raw:
             return b'{"a": ' * n + b"0" + b"}" * n
         if self.kind == "deep_in_field":
             return ('{%s, "%s": %s%s}' % (valid, f, "[" * n, "]" * n)).encode()
+        if self.kind == "deep_echo":
+            # A value each protocol echoes or keeps (tools, tool_choice none:
+            # never rendered) nesting n arrays; `field`: the protocol.
+            body = deep_echo_body(f, self.text == "stream")
+            return json.dumps(body).replace('"DEEP"', "[" * n + "]" * n).encode()
         if self.kind == "big_int":
             return b"1" * max(n, 1)
         if self.kind == "big_int_in_field":
@@ -509,6 +525,8 @@ class Raw:
 
     def show(self) -> str:
         n = self.n
+        if self.kind == "deep_echo":
+            return f"{self.field} {self.text or 'not streamed'}: tools nesting {n} arrays"
         if self.kind == "deep_array":
             return f"'[' * {n} + ']' * {n}"
         if self.kind == "deep_object":
@@ -523,6 +541,42 @@ class Raw:
         if self.kind in ("deep_in_field", "big_int_in_field"):
             return f"{self.kind}: field {self.field!r}, n={n}: {data[:160]!r}..."
         return repr(data[:400]) + ("..." if len(data) > 400 else "")
+
+
+DEEP_PATHS = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
+# Schema floods (Fuzzer.flood): how many large schemas at once, every how
+# many batches, and how long the plain request behind them may take.
+FLOOD_SCHEMAS = 12
+FLOOD_EVERY = 4
+FLOOD_PLAIN_SECONDS = 1.0
+
+
+def heavy_schema_body(salt: str, properties: int = 1500) -> dict:
+    """A chat request whose response_format is a schema no other request
+    has (its property names carry `salt`), over 64 KB of JSON."""
+    props = {f"p{i}_{salt}": {"type": "string", "maxLength": 8} for i in range(properties)}
+    schema = {"type": "object", "properties": props, "required": list(props)[:4],
+              "additionalProperties": False}
+    return {"messages": [{"role": "user", "content": "fill the form"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "form", "schema": schema}}}
+
+
+def deep_echo_body(protocol: str, stream: bool) -> dict:
+    """A valid request of `protocol` with tools it keeps but never renders,
+    their parameters holding "DEEP" (Raw.data nests arrays there)."""
+    params = {"type": "object", "properties": {}, "x-deep": "DEEP"}
+    if protocol == "chat":
+        return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "stream": stream, "tool_choice": "none",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}
+    if protocol == "messages":
+        return {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                "stream": stream, "tool_choice": {"type": "none"},
+                "tools": [{"name": "f", "input_schema": params}]}
+    return {"model": "m", "max_output_tokens": 2, "input": "hi", "stream": stream,
+            "tool_choice": "none", "tools": [{"type": "function", "name": "f",
+                                              "parameters": params}]}
 
 
 LITERALS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "-0", "1E+2",
@@ -610,7 +664,7 @@ class Case:
 
 
 KNOWN_ROUTES = ("/v1/models", "/health", "/v1/cache/stats", "/v1/stats", "/metrics",
-                "/dashboard", "/v1/cache", *COMPLETION_PATHS)
+                "/dashboard", "/v1/cache", *COMPLETION_PATHS, MESSAGES, RESPONSES)
 HEADERS = [
     (("Origin", "http://evil.example"),), (("Origin", "null"),),
     (("Sec-Fetch-Site", "cross-site"),), (("Host", "evil.example"),),
@@ -668,15 +722,30 @@ def raw_cases() -> st.SearchStrategy:
                      raw=raw_bodies, headers=headers, split=splits)
 
 
+deep_sizes = st.sampled_from([*range(MAX_JSON_DEPTH - 8, MAX_JSON_DEPTH + 3),
+                              *range(930, 1010, 3)])
+
+
+@st.composite
+def deep_cases(draw) -> Case:
+    """Nesting at the server's bound and at json's edge, on every protocol,
+    streamed or not (found in review: a stream that wrote a second HTTP
+    response into itself)."""
+    protocol = draw(st.sampled_from(sorted(DEEP_PATHS)))
+    raw = Raw("deep_echo", draw(deep_sizes), protocol, draw(st.sampled_from(["", "stream"])))
+    return Case("POST", DEEP_PATHS[protocol], raw=raw, headers=draw(headers))
+
+
 def cases(ctx: Context = Context()) -> st.SearchStrategy:
     """Every kind of request: mostly completions bodies, then raw bodies and
     the other routes."""
     # About 2/3 completions, 2/9 raw bodies, 1/9 other routes. (st.one_of
     # would flatten the branches of completion_cases into its own, and
     # hypothesis does not repeat a case, so the smaller spaces get more weight.)
-    kinds = {"completion": completion_cases(ctx), "raw": raw_cases(), "route": route_cases()}
-    return st.sampled_from(["raw", "raw", "raw", "route", "completion", "completion"]).flatmap(
-        kinds.__getitem__)
+    kinds = {"completion": completion_cases(ctx), "raw": raw_cases(), "route": route_cases(),
+             "deep": deep_cases()}
+    return st.sampled_from(["raw", "raw", "raw", "route", "completion", "completion",
+                            "deep"]).flatmap(kinds.__getitem__)
 
 
 # -- sending and judging --------------------------------------------------------
@@ -826,7 +895,7 @@ def judge(case: Case, out: Outcome) -> Optional[Problem]:
     if not ctype.startswith("application/json"):
         return Problem("JSON without a JSON content type", ctype)
     if status >= 400:
-        if not (isinstance(obj, dict) and isinstance(obj.get("error"), str) and obj["error"]):
+        if not (isinstance(obj, dict) and error_message(route, obj)):
             return Problem("4xx without an error message", _excerpt(data))
         return None
     if case.method == "POST" and route in COMPLETION_PATHS:
@@ -841,11 +910,56 @@ def judge(case: Case, out: Outcome) -> Optional[Problem]:
     return None
 
 
+def error_message(route: str, obj: dict) -> Optional[str]:
+    """The message of an error body in the route's protocol's shape."""
+    error = obj.get("error")
+    if route.startswith((MESSAGES, RESPONSES, "/responses")):
+        if route.startswith(MESSAGES) and obj.get("type") != "error":
+            return None
+        error = error.get("message") if isinstance(error, dict) else None
+    return error if isinstance(error, str) and error else None
+
+
+# How a 200 stream of each agent protocol ends, and the events that say it failed.
+STREAM_ENDS = {MESSAGES: ({"message_stop"}, {"error"}),
+               RESPONSES: ({"response.completed", "response.incomplete"},
+                           {"response.failed", "error"})}
+
+
+def judge_named_stream(case: Case, text: str) -> Optional[Problem]:
+    """Messages and Responses streams: `event:` / `data:` blocks, one
+    response, ended by its protocol's last event, no failure in it."""
+    ends, failures = STREAM_ENDS[case.path.split("?")[0]]
+    names = []
+    for block in text.split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        if len(lines) != 2 or not lines[0].startswith("event: ") or not lines[1].startswith(
+                "data: "):
+            return Problem("bad SSE", f"block {block[:200]!r}")
+        try:
+            event = strict_json(lines[1][len("data: "):].encode())
+        except ValueError:
+            return Problem("bad SSE", f"event not JSON: {lines[1][:200]!r}")
+        name = lines[0][len("event: "):]
+        if name in failures:
+            return Problem("error event in a 200 stream", str(event)[:300])
+        names.append(name)
+    if not names or names[-1] not in ends or sum(n in ends for n in names) != 1:
+        return Problem("bad SSE", f"not ended by one of {sorted(ends)}: {names[-3:]}")
+    return None
+
+
 def judge_stream(case: Case, data: bytes) -> Optional[Problem]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return Problem("bad SSE", "not UTF-8")
+    if "HTTP/1." in text:
+        return Problem("a second response inside a stream", _excerpt(data[-300:]))
+    if case.path.split("?")[0] in STREAM_ENDS:
+        return judge_named_stream(case, text)
     events = []
     for line in text.split("\n"):
         if not line or line.startswith(":"):
@@ -972,9 +1086,13 @@ class Fuzzer:
     """
 
     def __init__(self, server: ServerProcess, *, check_every: int = CHECK_EVERY,
-                 timeout: float = TIMEOUT, log: Callable[[str], None] = lambda s: None):
+                 timeout: float = TIMEOUT, log: Callable[[str], None] = lambda s: None,
+                 flood_every: int = FLOOD_EVERY, flood_schemas: int = FLOOD_SCHEMAS):
         self.server = server
         self.check_every = check_every
+        self.flood_every = flood_every  # batches between two floods (0: none)
+        self.flood_schemas = flood_schemas
+        self.floods = 0
         self.timeout = timeout
         self.say = log
         self.failures: Dict[str, Failure] = {}
@@ -1162,10 +1280,55 @@ class Fuzzer:
                 failure.case, failure.problem, failure.response = case, problem, response
         failure.endpoints[case.endpoint] += 1
 
+    def flood(self) -> None:
+        """Large distinct schemas sent at once (each a body for the large
+        constraint lane), and a plain request behind them: the plain one is
+        answered within FLOOD_PLAIN_SECONDS (found in review: it waited
+        17-26 s behind 30 of them), each large one gets a 200, a 4xx or a
+        503 (the lane full or past --planning-timeout), never another 5xx
+        or no answer."""
+        import threading
+
+        self.floods += 1
+        salt = f"{time.monotonic_ns():x}"
+        heavy = [Case("POST", CHAT, heavy_schema_body(f"{salt}_{i}"))
+                 for i in range(self.flood_schemas)]
+        outs: List[Optional[Outcome]] = [None] * len(heavy)
+
+        def one(i):
+            outs[i] = send(self.server, heavy[i], timeout=self.timeout)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(heavy))]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        plain = Case("POST", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 3})
+        out = send(self.server, plain, timeout=self.timeout)
+        for t in threads:
+            t.join()
+        counts = self.per_endpoint["schema flood"]
+        counts["tried"] += len(heavy) + 1
+        if out.status != 200 or out.seconds > FLOOD_PLAIN_SECONDS:
+            counts["failed"] += 1
+            self.record("plain request slow or failed during a schema flood",
+                        Problem("flood", f"{out.status} {out.error or ''} after "
+                                         f"{out.seconds:.2f} s"), plain, out)
+        for case, got in zip(heavy, outs):
+            counts[str(got.status // 100) + "xx" if got.status else "dropped"] += 1
+            if got.status is None or not (got.status < 500 or got.status == 503):
+                counts["failed"] += 1
+                self.record(f"schema flood: {got.status or got.error}",
+                            Problem("flood", _excerpt(got.data) if got.status else got.error),
+                            case, got)
+
     def check_batch(self) -> None:
         """The canaries still get their first answers; else find the request
-        of this batch after which they changed."""
+        of this batch after which they changed. Every flood_every batches,
+        a schema flood (flood())."""
         batch, self.batch = self.batch, []
+        if self.flood_every and self.canary_checks % self.flood_every == self.flood_every - 1:
+            self.flood()
         self.canary_checks += 1
         texts = self.canary()
         if texts == self.baseline:
@@ -1437,6 +1600,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY,
                         help="requests between canary checks (/health: after every one)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT)
+    parser.add_argument("--flood-every", type=int, default=FLOOD_EVERY,
+                        help="batches of --check-every requests between two schema floods "
+                        "(0: none)")
     parser.add_argument("--shrink-seconds", type=float, default=90,
                         help="time to shrink each distinct failure (0: no shrinking)")
     parser.add_argument("--no-corpus", action="store_true",
@@ -1469,7 +1635,7 @@ def main(argv=None) -> int:
           f"server: {' '.join(server.command)}\nserver log: {log}", flush=True)
 
     fuzzer = Fuzzer(server, check_every=args.check_every, timeout=args.timeout,
-                    log=lambda s: print(s, flush=True))
+                    log=lambda s: print(s, flush=True), flood_every=args.flood_every)
     start = time.monotonic()
     with server:
         baseline = fuzzer.start()

@@ -16,8 +16,15 @@ prefix) is sent alone, greedy, and its reply kept as the reference. Then
   with probability --disconnect-rate;
 * a non-streamed one, abandoned after a random fraction of a second with
   probability --disconnect-rate;
-* a bad input from the corpus in tests/test_bad_input.py (probability
-  --bad-rate), which must be answered 4xx with a JSON {"error": "..."}.
+* a bad input from the corpora in tests/test_bad_input.py, every protocol's
+  (chat completions, Messages, Responses), and bodies nesting arrays past
+  the server's bound and at json's own limit, streamed or not (probability
+  --bad-rate), which must be answered 4xx with the protocol's JSON error.
+
+Beside them, every --flood-every seconds, a schema flood: --flood-schemas
+requests with large distinct response_format schemas at once, each of
+which must get a 200, a 4xx or a 503 with Retry-After (the large lane full,
+or past --planning-timeout), never anything else, never no answer.
 
 Every --interval seconds the server process's resident memory (psutil, or
 /proc/PID/status VmRSS), MLX's memory (/v1/stats), the prompt cache's bytes,
@@ -36,8 +43,8 @@ per-interval table is printed and the verdict:
   connection the client did not drop that dropped, or a stream that ended
   without [DONE];
 * 0 failed valid requests (a non-200 status or an error event), every bad
-  input answered 4xx JSON, the cache evicting (evictions > 0), and the
-  server healthy after.
+  input answered 4xx JSON, every flood request answered as above, the
+  cache evicting (evictions > 0), and the server healthy after.
 
 Exits 1 when the verdict fails.
 """
@@ -55,6 +62,7 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
+from benchmarks.fuzz import error_message
 from benchmarks.load import SYSTEM, TOPICS, clear_and_measure, load_prompts, stream_reply
 from benchmarks.load import rss_bytes as proc_rss_bytes
 
@@ -79,12 +87,17 @@ def rss_bytes(pid: int) -> Optional[int]:
 
 
 def bad_inputs() -> List[tuple]:
-    """(path, raw body) of the bad-input corpus, less the cases that name a
-    host other than loopback (the soak sends traffic to 127.0.0.1 only)."""
-    from tests.test_bad_input import CASES
+    """(path, raw body) of the bad-input corpora, less the cases that name a
+    host other than loopback (the soak sends traffic to 127.0.0.1 only),
+    and the bodies nesting too deep on every protocol."""
+    from benchmarks.fuzz import DEEP_PATHS, MAX_JSON_DEPTH, Raw
+    from tests.test_bad_input import CASES, MESSAGES_CASES, RESPONSES_CASES
 
+    deep = [(DEEP_PATHS[protocol], Raw("deep_echo", n, protocol, stream).data())
+            for protocol in DEEP_PATHS for stream in ("", "stream")
+            for n in (MAX_JSON_DEPTH + 1, 966, 990)]
     cases = []
-    for path, body in CASES:
+    for path, body in [*CASES, *MESSAGES_CASES, *RESPONSES_CASES, *deep]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         if b"http://" in raw or b"https://" in raw:
             if b"127.0.0.1" not in raw:
@@ -151,8 +164,9 @@ async def build_items(session, url, max_tokens: int, conversations: int = 3,
 def new_tally() -> Dict[str, Any]:
     return {"started": 0, "completed": 0, "disconnected": 0, "mismatches": 0,
             "unanswered": 0, "failed": 0, "bad_sent": 0, "bad_4xx": 0, "bad_other": 0,
+            "flood_sent": 0, "flood_200": 0, "flood_4xx": 0, "flood_503": 0, "flood_other": 0,
             "tokens": 0, "examples": {"mismatch": [], "unanswered": [], "failed": [],
-                                      "bad_other": []}}
+                                      "bad_other": [], "flood_other": []}}
 
 
 def note(tally, kind, text, keep=5):
@@ -168,10 +182,10 @@ async def send_bad(session, url, case, timeout, tally):
                                 headers={"Content-Type": "application/json"}) as r:
             text = await r.text()
             try:
-                error = json.loads(text).get("error")
+                error = error_message(path, json.loads(text))
             except (ValueError, AttributeError):
                 error = None
-            if 400 <= r.status < 500 and isinstance(error, str) and error:
+            if 400 <= r.status < 500 and error:
                 tally["bad_4xx"] += 1
             else:
                 tally["bad_other"] += 1
@@ -253,6 +267,40 @@ async def send_valid(session, url, item, stream, hang_up, timeout, tally):
     if text != item.reference:
         tally["mismatches"] += 1
         note(tally, "mismatch", f"{what}: got {text!r} expected {item.reference!r}")
+
+
+async def send_flood_request(session, url, body, timeout, tally):
+    tally["flood_sent"] += 1
+    try:
+        async with session.post(url + CHAT, json=body, timeout=timeout) as r:
+            text = await r.text()
+            if r.status == 200:
+                tally["flood_200"] += 1
+            elif 400 <= r.status < 500:
+                tally["flood_4xx"] += 1
+            elif r.status == 503 and r.headers.get("Retry-After"):
+                tally["flood_503"] += 1
+            else:
+                tally["flood_other"] += 1
+                note(tally, "flood_other", f"{r.status} {text[:200]}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        tally["flood_other"] += 1
+        tally["unanswered"] += 1
+        note(tally, "unanswered", f"schema flood request: {e!r}")
+
+
+async def flood_client(session, url, deadline, tally, *, every, schemas, timeout):
+    """A schema flood every `every` seconds (benchmarks.fuzz.heavy_schema_body)."""
+    from benchmarks.fuzz import heavy_schema_body
+
+    round_ = 0
+    while time.monotonic() + every < deadline:
+        await asyncio.sleep(every)
+        round_ += 1
+        salt = f"{time.monotonic_ns():x}"
+        await asyncio.gather(*(
+            send_flood_request(session, url, heavy_schema_body(f"{salt}_{round_}_{i}"),
+                               timeout, tally) for i in range(schemas)))
 
 
 async def soak_client(session, url, items, bad, deadline, rng, tally, *, disconnect_rate,
@@ -337,6 +385,7 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
                    clients: int = 16, disconnect_rate: float = 0.25, bad_rate: float = 0.1,
                    stream_rate: float = 0.6, max_tokens: int = 48, request_timeout: float = 120.0,
                    warmup_intervals: int = 2, max_rss_growth: float = 0.05, seed: int = 0,
+                   flood_every: float = 20.0, flood_schemas: int = 12,
                    progress=None) -> Dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=request_timeout)
     connector = aiohttp.TCPConnector(limit=0)
@@ -363,6 +412,9 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
         reporter = asyncio.ensure_future(report())
         await asyncio.gather(
             sampler(session, url, pid, t0, tally, interval, deadline, samples, window),
+            *([flood_client(session, url, deadline, tally, every=flood_every,
+                            schemas=flood_schemas, timeout=request_timeout)]
+              if flood_every > 0 else []),
             *(soak_client(session, url, items, bad, deadline, random.Random(rng.random()), tally,
                           disconnect_rate=disconnect_rate, bad_rate=bad_rate,
                           stream_rate=stream_rate, max_tokens=max_tokens,
@@ -398,6 +450,8 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
         "unanswered==0": tally["unanswered"] == 0,
         "failed_valid==0": tally["failed"] == 0,
         "bad_inputs_all_4xx": tally["bad_other"] == 0 and tally["bad_sent"] > 0,
+        "flood_answered": tally["flood_other"] == 0 and (
+            flood_every <= 0 or tally["flood_sent"] > 0),
         "evictions>0": len(evictions) > 1 and evictions[-1] > evictions[0],
         "healthy_after": healthy,
     }
@@ -427,6 +481,8 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
         "bad_sent": tally["bad_sent"],
         "bad_4xx": tally["bad_4xx"],
         "bad_other": tally["bad_other"],
+        **{k: tally[k] for k in ("flood_sent", "flood_200", "flood_4xx", "flood_503",
+                                 "flood_other")},
         "evictions": evictions[-1] - evictions[0] if evictions else None,
         "output_tokens_per_s": round(tally["tokens"] / elapsed, 1),
         "healthy_after": healthy,
@@ -552,6 +608,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flood-every", type=float, default=20.0,
+                        help="seconds between two schema floods (0: none)")
+    parser.add_argument("--flood-schemas", type=int, default=12)
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra server argument (repeatable), e.g. --server-arg=--decode-concurrency=8")
     parser.add_argument("--json", help="write the figures to this file")
@@ -578,8 +637,8 @@ def main(argv=None) -> int:
             clients=args.clients, disconnect_rate=args.disconnect_rate, bad_rate=args.bad_rate,
             stream_rate=args.stream_rate, max_tokens=args.max_tokens,
             request_timeout=args.request_timeout, warmup_intervals=args.warmup_intervals,
-            max_rss_growth=args.max_rss_growth,
-            seed=args.seed, progress=progress))
+            max_rss_growth=args.max_rss_growth, flood_every=args.flood_every,
+            flood_schemas=args.flood_schemas, seed=args.seed, progress=progress))
         exited = server.proc.poll()
     log_text = log.read_text(errors="replace")
     result["server_log"] = str(log)

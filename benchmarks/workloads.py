@@ -199,6 +199,30 @@ async def burst(run: Run) -> Dict[str, Any]:
     return figures
 
 
+async def short_burst(run: Run) -> Dict[str, Any]:
+    """Requests that arrive together and share nothing: 8 concurrent short
+    prompts, each its own (no cache can help), three times, and a lone
+    request of the same kind before each burst. TTFT of each: a burst
+    should be one prefill wave, and a lone request not wait for company."""
+    client = run.client()
+    await client.chat(run.http, overhead_messages(0, "warm-up "), stream=True, record=False)
+    lone, together = [], []
+    rounds = 1 if run.smoke else 3
+    for r in range(rounds):
+        row = await client.chat(run.http, overhead_messages(r, f"lone {os.getpid()} "),
+                                stream=True)
+        lone.append(row.ttft)
+        rows = await asyncio.gather(*(
+            client.chat(run.http, overhead_messages(i, f"burst {r} {os.getpid()} "),
+                        stream=True) for i in range(8)))
+        together += [row.ttft for row in rows]
+    return {
+        "batch 1: ttft p50 (s)": median(lone),
+        "batch 8: ttft p50 (s)": median(together),
+        "batch 8: ttft max (s)": max(together),
+    }
+
+
 def overhead_messages(i: int, salt: str = ""):
     """Short prompts, so decoding dominates (and no cache can help)."""
     return [{"role": "user", "content": f"Overhead probe {salt}{i}: tell a story."}]
@@ -450,6 +474,7 @@ WORKLOADS = {
     "interleaved": interleaved,
     "seeded": seeded,
     "burst": burst,
+    "short_burst": short_burst,
     "overhead": overhead,
     "memory": memory,
     "vision": vision,

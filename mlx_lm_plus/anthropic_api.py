@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 from .bodies import b64decode
 from .logs import warn_once
+from .responses import partial_json
 from .validation import RequestError, check_item_count, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
@@ -373,12 +374,18 @@ def to_chat_body(body: Any, count_only: bool = False,
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("output_config: must be an object")
-    output_format = (config or {}).get("format")
-    if output_format is not None:
-        # Structured outputs: {"type": "json_schema", "schema": {...}}.
+    # Structured outputs: {"type": "json_schema", "schema": {...}}, in
+    # output_config.format, or top-level output_format as the beta
+    # (structured-outputs-2025-11-13) had it, which litellm still sends.
+    formats = [(where, value) for where, value in (
+        ("output_config.format", (config or {}).get("format")),
+        ("output_format", body.get("output_format"))) if value is not None]
+    if len(formats) == 2 and formats[0][1] != formats[1][1]:
+        raise RequestError("output_format and output_config.format differ: send one of them")
+    for where, output_format in formats[:1]:
         if not (isinstance(output_format, dict) and output_format.get("type") == "json_schema"
                 and isinstance(output_format.get("schema"), dict)):
-            raise RequestError("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
+            raise RequestError(f"{where}: must be {{'type': 'json_schema', 'schema': {{...}}}}")
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": output_format["schema"]}}
     return chat
@@ -489,7 +496,12 @@ class MessagesExchange(Exchange):
         try:
             args = json.loads(arguments)
         except ValueError:
-            args = None
+            # A call max_tokens cut off (responses.TruncatedCall): its input
+            # as far as it parses, streamed as that JSON (the SDKs' partial
+            # parsers drop a cut-off string: the stream would differ).
+            args = partial_json(arguments)
+            if isinstance(args, dict):
+                arguments = json.dumps(args, ensure_ascii=False)
         if not isinstance(args, dict):
             # Anthropic's input is an object: keep what the model wrote.
             args = {"arguments": args if args is not None else arguments}

@@ -8,7 +8,6 @@ channel, and the engine drops the request at its next step.
 
 import asyncio
 import collections
-import concurrent.futures
 import hmac
 import ipaddress
 import json
@@ -30,10 +29,10 @@ from .constraints import (
     ForcedToolCall,
     StrictToolCalls,
     compile_response_format,
-    grammar_for,
-    ll_tokenizer,
+    prepare,
 )
 from .engine import Channel, EngineUnavailable, InternalError, PromptError
+from .lanes import Lane, LaneBusy
 from .logs import warn_once
 from .metrics import Metrics, RequestRecord, cache_entries
 from .responses import CompletionAssembler, ResponseBuilder
@@ -67,6 +66,18 @@ LARGE_BODY_BYTES = 256 << 10
 RECEIVING_BYTES = 1 << 30
 BODY_IDLE_SECONDS = 60.0
 BODY_MIN_RATE = 64 << 10
+# Lanes (lanes.py): a request's prompt is planned in the large lane when its
+# body is larger than LARGE_LANE_PLAN_BYTES (images, long conversations), its
+# constraint compiled in the large one when the body is larger than
+# LARGE_LANE_CONSTRAINT_BYTES (a schema can't be larger than its body); each
+# large lane holds at most LARGE_LANE_HELD requests, and turns more away.
+LARGE_LANE_PLAN_BYTES = 1 << 20
+LARGE_LANE_CONSTRAINT_BYTES = 64 << 10
+LARGE_LANE_HELD = 16
+# Where a request keeps its SSE response once the head is sent: from then
+# on an error ends that stream, and no other response is written.
+OPEN_STREAM = (web.RequestKey("mlx_lm_plus.open_stream", web.StreamResponse)
+               if hasattr(web, "RequestKey") else "mlx_lm_plus.open_stream")
 
 
 class AsyncChannel(Channel):
@@ -140,17 +151,26 @@ class Server:
         # count), once their bodies are in; `reading`: those still coming.
         self.in_flight = 0
         self.reading = 0
+        # Of those in flight, the ones not submitted to the engine yet (being
+        # parsed and planned): the engine's first prefill step of a burst
+        # waits a little for them (Engine.arrivals).
+        self.arriving = 0
         self.receiving_bytes = 0  # (of bodies being read or parsed)
         self.body_progress_at = 0.0  # (loop time) when a body's bytes last came
         # Set at shutdown: new completions get 503 and their connections close.
         self.stopping = False
         self.metrics = metrics
         self._decoding = asyncio.Semaphore(2)
-        # Prompts are planned here (templates, tokenizing, a constraint's
-        # matcher), one at a time, off the event loop and the generation
-        # thread.
-        self._planner = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="mlx_lm_plus-planning")
+        # Prompts are planned (templates, tokenizing) and constraints
+        # compiled (llguidance's grammar and matcher) in lanes of their own,
+        # off the event loop and the generation thread; a large body's work
+        # in a large lane, so that a flood of large schemas or prompts never
+        # holds up the others (lanes.py).
+        self._planner = Lane("planning")
+        self._planner_large = Lane("planning large requests", LARGE_LANE_HELD)
+        self._constraints = Lane("constraints")
+        self._constraints_large = Lane("large constraints", LARGE_LANE_HELD)
+        self._planning_timeout = getattr(cli_args, "planning_timeout", 60.0)
         # Wire protocols beyond chat completions, by the paths they serve.
         self.protocols: List[WireProtocol] = []
         # Open connections, and room for new ones (connections.py).
@@ -188,8 +208,9 @@ class Server:
         return headers
 
     def json_response(self, request, obj, status=200) -> web.Response:
+        """`obj` as JSON (bytes: already JSON)."""
         return web.Response(
-            body=json.dumps(obj).encode(),
+            body=obj if isinstance(obj, bytes) else json.dumps(obj).encode(),
             status=status,
             content_type="application/json",
             headers=self.cors_headers(request),
@@ -267,6 +288,12 @@ class Server:
             # A bug, not the client's fault: a JSON 500, never aiohttp's
             # plain-text page or a dropped connection.
             logging.exception(f"Unhandled error on {request.method} {request.path}")
+            stream = request.get(OPEN_STREAM)
+            if stream is not None and stream.prepared:
+                # Its head is sent: a new response would be written inside
+                # its body. (handle_completion ended it in its protocol's
+                # way where it could.)
+                return stream
             return self.error(request, f"Internal server error: {type(e).__name__}: {e}", 500)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -448,7 +475,8 @@ class Server:
                 "uncompressed", 415)
         raw = await self._receive(request, request.content_length or 0)
         try:
-            if len(raw) > LARGE_BODY_BYTES:  # ~10 ms a MB: not on the loop
+            # (~10 ms a MB; the nesting check walks bodies of many brackets)
+            if len(raw) > LARGE_BODY_BYTES or raw.count(b"{") + raw.count(b"[") > 4096:
                 return await asyncio.get_running_loop().run_in_executor(None, _parse_body, raw)
             return _parse_body(raw)
         finally:
@@ -535,66 +563,80 @@ class Server:
         except Exception as e:
             raise RequestError(f"An image could not be decoded: {e}") from e
 
-    async def _constrain(self, req, model):
-        """Structured output, compiled before the request is queued: a schema
-        llguidance can't take is a 400 here (compiling is CPU work: in an
-        executor; repeated schemas are a cache hit)."""
+    async def _constrain(self, req, model, body_bytes: int):
+        """Structured output, compiled for the loaded model's tokenizer and
+        its matcher built before the request is queued (in a constraint
+        lane: a schema of a large body in the large lane, so that small
+        schemas never wait behind large ones): a schema llguidance can't
+        take is a 400 here."""
+        if not _may_constrain(req):
+            return
+        lane = self._constraints_large if body_bytes > LARGE_LANE_CONSTRAINT_BYTES \
+            else self._constraints
+        try:
+            req.constraint = await lane.run(self._compile_constraint, req, model,
+                                            deadline=self._planning_timeout,
+                                            still_wanted=self._engine_down)
+        except ConstraintError as e:
+            raise RequestError(str(e)) from e
+
+    def _compile_constraint(self, req, model):
+        """(In a constraint lane.) The request's constraint: a Prepared for
+        the loaded model's tokenizer, else checked as far as it can be
+        without one (the engine compiles it at admission). Raises
+        ConstraintError."""
         choice = req.tool_choice
+        key = self.model_provider.key_for(model)
         if choice == "required" or isinstance(choice, dict):
             name = choice["function"]["name"] if isinstance(choice, dict) else None
-            # The engine compiles it again for the tokenizer of the model
-            # it runs (a cache hit when that is the loaded one, as here).
             constraint = ForcedToolCall(req.tools, name)
         elif req.response_format is not None and req.response_format.get("type") != "text":
             # (With strict tools too: the answer is held to the format, and
             # the model can't call a tool; see the README.)
-            constraint = req.response_format
-        elif (choice != "none" and StrictToolCalls.wanted(req.tools)
-              and not self.model_provider.key_for(model)[2]):  # (no draft model)
+            constraint = compile_response_format(req.response_format)
+        elif choice != "none" and StrictToolCalls.wanted(req.tools) and not key[2]:
             # Best effort: a model or setup that can't hold calls to a schema
             # (another tool format, a draft model) serves the request as
             # upstream does; only a strict tool's broken schema is a 400.
             constraint = StrictToolCalls(req.tools)
         else:
-            return
-        lm = self.model_provider.get(self.model_provider.key_for(model))
-        tokenizer = lm.tokenizer if lm is not None else None
-        loop = asyncio.get_running_loop()
+            return None
+        lm = self.model_provider.get(key)
+        if constraint is None or lm is None:
+            return constraint
         try:
-            req.constraint = await loop.run_in_executor(
-                None, _compile_constraint, constraint, tokenizer)
+            return prepare(constraint, lm.tokenizer)
         except ConstraintUnavailable as e:
             if not isinstance(constraint, StrictToolCalls):
-                raise RequestError(str(e)) from e
+                raise
             warn_once(f"strict tools served unconstrained: {e}")
-        except ConstraintError as e:
-            raise RequestError(str(e)) from e
+            return None
 
-    async def _plan(self, parsed):
-        """Plan the prompt on the planning thread before the request is queued,
-        so the generation thread only looks it up (Engine.plan; None: the
-        engine plans it at admission). A bad prompt is the client's 400."""
+    def _engine_down(self) -> Optional[Exception]:
+        """What a request waiting in a lane gives up with when the engine
+        went down meanwhile (None: it is up)."""
+        if self.engine.is_healthy:
+            return None
+        return EngineUnavailable(f"Generation engine unavailable: {self.engine.unhealthy_reason}")
+
+    async def _plan(self, parsed, body_bytes: int):
+        """Plan the prompt in a planning lane before the request is queued
+        (a large body's in the large lane: images, long conversations), so
+        the generation thread only looks it up (Engine.plan; None: the
+        engine plans it at admission). A bad prompt is the client's 400;
+        LaneBusy past --planning-timeout."""
         plan = getattr(self.engine, "plan", None)
         if plan is None or parsed.request.count_only:
             return
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._planner, plan, parsed.request, parsed.args)
+        lane = self._planner_large if body_bytes > LARGE_LANE_PLAN_BYTES else self._planner
         try:
-            # A plan stuck for good (the watchdog then takes the engine down):
-            # the requests waiting for the planning thread get a 503 too.
-            while not (await asyncio.wait({future}, timeout=1.0))[0]:
-                if not self.engine.is_healthy:
-                    raise EngineUnavailable(
-                        f"Generation engine unavailable: {self.engine.unhealthy_reason}")
-        except BaseException:
-            # The client went away (or the engine did): a plan not started
-            # yet is dropped, not made in front of live requests.
-            future.cancel()
-            raise
-        try:
-            planned = parsed.request.planned = future.result()
+            planned = parsed.request.planned = await lane.run(
+                plan, parsed.request, parsed.args, deadline=self._planning_timeout,
+                still_wanted=self._engine_down)
         except PromptError as e:
             raise RequestError(str(e)) from e
+        except (LaneBusy, EngineUnavailable):
+            raise
         except Exception:  # the engine plans it again, and answers
             logging.exception("Planning a prompt failed")
             return
@@ -602,6 +644,7 @@ class Server:
             # Its disk entry read here, not on the generation thread; if
             # another request's handler is reading it, that read is waited
             # for (not cancelled if this client goes: others may wait too).
+            loop = asyncio.get_running_loop()
             reading = await loop.run_in_executor(None, self.engine.read_ahead, planned)
             if reading is not None:
                 await asyncio.wait({asyncio.wrap_future(reading)}, timeout=READ_AHEAD_SECONDS)
@@ -615,6 +658,28 @@ class Server:
         if not self.model_provider.is_served(desc):
             return None  # (a 404 follows: no file a client names is read)
         return self.model_provider.vocab_size(self.model_provider.key_for(desc))
+
+    def _parse(self, path: str, body, protocol: Optional[WireProtocol]):
+        """A completion body -> (ParsedRequest, whether its model is served,
+        the model's metrics label); RequestError: the client's. Parsed with
+        the defaults of the model it names (--models-config) and that
+        model's vocabulary for logit_bias when it is loaded."""
+        provider = self.model_provider
+        name = body.get("model") if isinstance(body, dict) else None
+        default = protocol is not None and (name is None or isinstance(name, str) and (
+            not provider.is_served(ModelDescription(name, "default_model", None))))
+        if default:
+            # Agent clients name their own models (claude-..., gpt-...): a
+            # name not served means the default model, and is echoed back.
+            # (Any other type is the protocol's 400.)
+            name = "default_model"
+        cli = provider.defaults_for(name)
+        parse = parse_request if protocol is None else protocol.parse
+        parsed = parse(path, body, cli, self._vocab_size(name))
+        if default:
+            parsed.args.model = ModelDescription("default_model", "default_model", None)
+        return (parsed, provider.is_served(parsed.args.model),
+                provider.name_for(parsed.args.model))
 
     async def handle_completion(self, request: web.Request,
                                 protocol: Optional[WireProtocol] = None):
@@ -637,6 +702,7 @@ class Server:
                 self.reading += 1
                 try:
                     body = await self._read_body(request)
+                    track.body_bytes = request.content_length or 0
                 except RequestError as e:
                     body, response = None, self.error(request, str(e), e.status)
                 finally:
@@ -645,11 +711,27 @@ class Server:
                     response = self._busy(request)  # (others came in meanwhile)
                 elif response is None:
                     self.in_flight += 1
+                    self.arriving += 1
+                    track.arriving = True
                     try:
                         response = await self._handle_completion(request, body, track,
                                                                  protocol)
+                    except ConnectionResetError:
+                        raise
+                    except Exception as e:
+                        stream = request.get(OPEN_STREAM)
+                        if stream is None or not stream.prepared:
+                            raise  # dispatch answers a 500 in the protocol's shape
+                        # Whatever raised once the stream was open (a bug):
+                        # the stream ends in its protocol's way, never with
+                        # a second response written into it.
+                        logging.exception("Unhandled error in a stream")
+                        response = await self._end_stream(
+                            stream, track, f"Internal server error: {type(e).__name__}: {e}",
+                            500)
                     finally:
                         self.in_flight -= 1
+                        self._arrived(track)
             return response
         except asyncio.CancelledError:
             # The client went away (aiohttp cancels the handler).
@@ -665,6 +747,12 @@ class Server:
             if self.metrics is not None:
                 self.metrics.observe(track.finish(response))
 
+    def _arrived(self, track) -> None:
+        """The request is submitted to the engine (or answered before)."""
+        if track.arriving:
+            track.arriving = False
+            self.arriving -= 1
+
     def _busy(self, request):
         return self.unavailable(request, f"Server busy: {self.in_flight} requests in flight "
                                          "(--decode-concurrency + --max-queued-requests)")
@@ -673,30 +761,19 @@ class Server:
                                  protocol: Optional[WireProtocol] = None):
         provider = self.model_provider
         try:
-            name = body.get("model") if isinstance(body, dict) else None
-            if protocol is not None and not provider.is_served(
-                    ModelDescription(str(name), "default_model", None)):
-                # Agent clients name their own models (claude-..., gpt-...): a
-                # name not served means the default model, and is echoed back.
-                name = "default_model"
-            # Parsed with that model's defaults (--models-config), and its
-            # vocabulary for logit_bias when it is loaded.
-            cli = provider.defaults_for(name)
-            parse = parse_request if protocol is None else protocol.parse
             # In an executor: parsing checks each image's header by decoding
             # its base64 (~2 ms a MB; a Responses continuation brings the
-            # stored conversation's images too), and converts the agent
-            # protocols' whole conversations.
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                None, parse, request.path, body, cli, self._vocab_size(name))
-            if protocol is not None and name == "default_model":
-                parsed.args.model = ModelDescription("default_model", "default_model", None)
+            # stored conversation's images too), converts the agent
+            # protocols' whole conversations, and looks the client's model
+            # name up (on the filesystem too: a folder's path).
+            parsed, served, label = await asyncio.get_running_loop().run_in_executor(
+                None, self._parse, request.path, body, protocol)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         track.record.model = parsed.requested_model
-        track.record.served_model = provider.name_for(parsed.args.model)
+        track.record.served_model = label
         track.record.stream = parsed.stream
-        if not provider.is_served(parsed.args.model):
+        if not served:
             desc = parsed.args.model
             served = ", ".join(repr(e.name) for e in provider.served)
             return self.error(
@@ -711,19 +788,16 @@ class Server:
                 # Only once the whole request validated.
                 await inline_remote_images(parsed.request, self.cli_args)
             await self._decode_images(parsed.request, parsed.args.model)
-            await self._constrain(parsed.request, parsed.args.model)
+            await self._constrain(parsed.request, parsed.args.model, track.body_bytes)
+            await self._plan(parsed, track.body_bytes)
         except RequestError as e:
             return self.error(request, str(e), e.status)
-        try:
-            await self._plan(parsed)
-        except RequestError as e:
-            return self.error(request, str(e), e.status)
-        except EngineUnavailable as e:
+        except (EngineUnavailable, LaneBusy) as e:
             return self.unavailable(request, str(e))
 
         exchange = builder = None
         if protocol is not None:
-            exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
+            exchange = track.exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
             track.record.id = exchange.id
         else:
             if request.path == "/v1/completions":
@@ -742,11 +816,12 @@ class Server:
             )
 
         if parsed.request.count_only and exchange is not None:
-            counted = await self._count(request, parsed, exchange)
+            counted = await self._count(request, parsed, exchange, track)
             if counted is not None:
                 return counted
 
         channel = AsyncChannel(asyncio.get_running_loop())
+        self._arrived(track)
         try:
             self.engine.submit(channel, parsed.request, parsed.args)
         except EngineUnavailable as e:
@@ -763,13 +838,7 @@ class Server:
                     await opened.write(_keepalive(first))
                 first = await channel.get()
             if isinstance(first, Exception) and opened is not None:
-                track.error = str(first)
-                if exchange is not None:
-                    await opened.write(exchange.stream_error(str(first), _status_of(first)))
-                    return opened
-                await opened.write(f"data: {json.dumps({'error': str(first)})}\n\n".encode())
-                await opened.write(b"data: [DONE]\n\n")
-                return opened
+                return await self._end_stream(opened, track, str(first), _status_of(first))
             if isinstance(first, EngineUnavailable):
                 return self.unavailable(request, str(first))
             if isinstance(first, Exception):
@@ -794,7 +863,7 @@ class Server:
             # Whatever happened (done, error, disconnect), the engine may stop.
             channel.cancel()
 
-    async def _count(self, request, parsed, exchange):
+    async def _count(self, request, parsed, exchange, track):
         """count_tokens: the prompt is planned in an executor with the loaded
         model's tokenizer and image processor (rendering a long conversation
         takes seconds: never between batch steps). None: the engine counts
@@ -803,13 +872,15 @@ class Server:
         count = getattr(self.engine, "count_prompt", None)
         if count is None:
             return None
-        loop = asyncio.get_running_loop()
-        # (Images on the planning thread, one request at a time, as planning.)
-        executor = self._planner if parsed.request.images is not None else None
+        lane = self._planner_large if track.body_bytes > LARGE_LANE_PLAN_BYTES \
+            else self._planner
         try:
-            n = await loop.run_in_executor(executor, count, parsed.request, parsed.args)
+            n = await lane.run(count, parsed.request, parsed.args,
+                               deadline=self._planning_timeout, still_wanted=self._engine_down)
         except PromptError as e:
             return self.error(request, str(e), 400)
+        except (LaneBusy, EngineUnavailable) as e:
+            return self.unavailable(request, str(e))
         if n is None:
             return None
         return self.json_response(request, exchange.count_body(n))
@@ -826,9 +897,11 @@ class Server:
         response = None
         if parsed.stream:
             response = opened or await self._open_stream(request)
-            await response.write(exchange.start(len(ctx.prompt), ctx.prompt_cache_count or 0))
         pending = []  # frames that arrived together go out in one write
         try:
+            if response is not None:
+                await response.write(
+                    exchange.start(len(ctx.prompt), ctx.prompt_cache_count or 0))
             while True:
                 if not channel.ready():
                     await _write_all(response, pending)
@@ -845,11 +918,8 @@ class Server:
                         if status == 503:
                             return self.unavailable(request, str(item))
                         return self.error(request, str(item), status)
-                    logging.error(f"Generation failed mid-stream: {item}")
-                    track.error = str(item)
-                    pending.append(exchange.stream_error(str(item), status))
                     await _write_all(response, pending)
-                    return response
+                    return await self._end_stream(response, track, str(item), status)
                 if track.first is None:
                     track.first = time.perf_counter()
                 try:
@@ -870,19 +940,19 @@ class Server:
                 completion_tokens=len(assembler.tokens),
                 cached_tokens=ctx.prompt_cache_count or 0,
             )
+            loop = asyncio.get_running_loop()
             if response is None:
-                return self.json_response(request, exchange.body(completion))
-            await response.write(frames + exchange.finish(completion))
+                answer = exchange.body(completion)
+                await loop.run_in_executor(None, exchange.save)
+                return self.json_response(request, answer)
+            frames += exchange.finish(completion)
+            await loop.run_in_executor(None, exchange.save)
+            await response.write(frames)
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
+        except Exception:
+            # (handle_completion ends an open stream, dispatch answers the rest)
+            await _write_all(response, pending)  # what came before still goes out
             raise
-        except Exception as e:
-            if response is None:
-                raise  # dispatch answers a 500 in the protocol's shape
-            logging.exception("Unhandled error in a stream")
-            track.error = f"Internal server error: {type(e).__name__}: {e}"
-            await response.write(exchange.stream_error(track.error, 500))
-            return response
 
     async def _complete(self, request, channel, ctx, assembler, builder, track):
         while True:
@@ -913,6 +983,24 @@ class Server:
         )
         return self.json_response(request, resp)
 
+    async def _end_stream(self, response, track, message: str, status: int):
+        """End an open stream with an error, in its protocol's way (an
+        Exchange's stream_error; chat completions: an error chunk and
+        [DONE]). Returns the response."""
+        logging.error(f"Generation failed mid-stream: {message}")
+        track.error = message
+        if track.exchange is None:
+            frames = _sse({"error": message}) + b"data: [DONE]\n\n"
+        else:
+            try:
+                frames = track.exchange.stream_error(message, status)
+            except Exception:  # (the stream just ends)
+                logging.exception("Could not write a stream's error event")
+                frames = b""
+        if frames:
+            await response.write(frames)
+        return response
+
     async def _open_stream(self, request) -> web.StreamResponse:
         response = _StreamResponse(
             request.transport,
@@ -924,34 +1012,14 @@ class Server:
             },
         )
         await response.prepare(request)
+        request[OPEN_STREAM] = response
         return response
 
     async def _stream(self, request, channel, ctx, assembler, builder, parsed, track,
                       response=None):
+        """Chat completions' stream. (An exception here ends it in
+        handle_completion, with an error chunk and [DONE].)"""
         response = response or await self._open_stream(request)
-
-        async def send(obj):
-            await response.write(_sse(obj))
-
-        async def fail(error):
-            # Headers are gone: report in the stream, then end it.
-            logging.error(f"Generation failed mid-stream: {error}")
-            track.error = str(error)
-            await send({"error": str(error)})
-            await response.write(b"data: [DONE]\n\n")
-            return response
-
-        try:
-            return await self._stream_events(response, send, fail, channel, ctx, assembler,
-                                             builder, parsed, track)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as e:
-            logging.exception("Unhandled error in a stream")
-            return await fail(f"Internal server error: {type(e).__name__}: {e}")
-
-    async def _stream_events(self, response, send, fail, channel, ctx, assembler, builder,
-                             parsed, track):
         # Events that arrived together (a step's, or while the socket was
         # busy) go out in one write.
         pending = []
@@ -963,7 +1031,7 @@ class Server:
                 break
             if isinstance(item, Exception):
                 await _write_all(response, pending)
-                return await fail(item)
+                return await self._end_stream(response, track, str(item), 500)
             if isinstance(item, tuple):
                 pending.append(_keepalive(item))
                 continue
@@ -1076,6 +1144,9 @@ class _Tracker:
         self.ctx = self.assembler = None
         self.cancelled = False
         self.error = None
+        self.exchange = None  # the protocol's Exchange (None: chat completions)
+        self.body_bytes = 0  # the request body's size (which lanes it takes)
+        self.arriving = False  # counted in Server.arriving
 
     def accepted(self, ctx, assembler):
         self.accepted_at = time.perf_counter()
@@ -1109,18 +1180,13 @@ class _Tracker:
         return r
 
 
-def _compile_constraint(constraint, tokenizer):
-    """A request's constraint, checked (a ConstraintError is a 400 before the
-    request is queued) and warmed: llguidance's view of the tokenizer takes
-    about a second to build, here rather than on the generation thread."""
-    if isinstance(constraint, (ForcedToolCall, StrictToolCalls)):
-        if tokenizer is not None:
-            grammar_for(constraint, tokenizer)
-        return constraint
-    grammar = compile_response_format(constraint)
-    if grammar is not None and tokenizer is not None:
-        ll_tokenizer(tokenizer)
-    return grammar
+def _may_constrain(req) -> bool:
+    """Whether a request asks for anything a constraint lane may compile
+    (cheap: no schema is looked at)."""
+    choice = req.tool_choice
+    return (choice == "required" or isinstance(choice, dict)
+            or (req.response_format is not None and req.response_format.get("type") != "text")
+            or (choice != "none" and StrictToolCalls.wanted(req.tools)))
 
 
 def _stop_sequence(ctx, assembler) -> Optional[str]:

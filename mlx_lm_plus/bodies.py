@@ -35,6 +35,13 @@ _MARK_CHARS = len(_MARK) + 8
 
 # Base64 decoded in pieces of this many characters (~2 ms each).
 B64_PIECE_CHARS = 1 << 20
+# Arrays and objects nested deeper than this are refused: every stage after
+# parsing recurses on what it is given (json.dumps writing a Responses echo,
+# the template's tojson, llguidance, the Python walks of schemas), and near
+# json.loads' own limit (about 1,000 levels: the recursion limit) one more
+# level raised RecursionError in the middle of an open stream. serde_json,
+# which llguidance parses schemas with, stops at 128 too.
+MAX_JSON_DEPTH = 128
 
 
 class BodyError(ValueError):
@@ -68,11 +75,34 @@ def parse_body(raw: bytes) -> Any:
         del pieces
         if len(skeleton) <= MAX_SKELETON_BYTES:
             try:
-                return _put_back(_loads(skeleton), payloads)
-            except (BodyError, RecursionError):
+                value = _loads(skeleton)
+            except BodyError:
                 pass  # (parsed whole: its own error, where it is)
+            else:
+                # (Base64 has no brackets: the skeleton's count is the body's.)
+                check_depth(value, skeleton)
+                return _put_back(value, payloads)
         payloads.clear()
-    return _loads(raw)
+    value = _loads(raw)
+    check_depth(value, raw)
+    return value
+
+
+def check_depth(value: Any, raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """BodyError if `value` (parsed from `raw`) nests arrays and objects
+    deeper than `limit`. A body with at most `limit` brackets can't (the
+    usual case, counted at memchr speed); others are walked, containers
+    only, without recursion."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            raise BodyError(f"Request body nests arrays and objects more than {limit} "
+                            "levels deep")
+        children = v.values() if isinstance(v, dict) else v
+        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
 
 
 def _loads(raw: bytes) -> Any:

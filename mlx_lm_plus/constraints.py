@@ -364,14 +364,16 @@ class ConstraintProcessor:
     """
 
     def __init__(self, grammar: Grammar, tokenizer, *, after_think: bool = False,
-                 prompt: Optional[Sequence[int]] = None, may_open_think: bool = True):
+                 prompt: Optional[Sequence[int]] = None, may_open_think: bool = True,
+                 matcher: Optional[LLMatcher] = None):
         self.grammar = grammar
         self._prompt = prompt
         # False for raw text prompts: no template asks the model to think,
         # so a prompt without markers is constrained from its first token.
         self._may_open_think = may_open_think
         self.ll = ll_tokenizer(tokenizer)
-        self.matcher = LLMatcher(self.ll, grammar.text, log_level=0)
+        # (`matcher`: one built ahead for this grammar and tokenizer, unused.)
+        self.matcher = matcher or LLMatcher(self.ll, grammar.text, log_level=0)
         if self.matcher.is_error():
             raise ConstraintError(f"the grammar does not compile: {self.matcher.get_error()}")
         self.eos_ids = sorted(tokenizer.eos_token_ids)
@@ -661,9 +663,49 @@ def _loose(tool):
     return {**tool, "function": {**fn, "parameters": {"type": "object"}}}
 
 
+class Prepared:
+    """A request's constraint compiled for the tokenizer of the model that
+    is to serve it, with its matcher built: the slow part of structured
+    output (a large schema takes a second or more), done before the request
+    is planned, in the HTTP side's constraint lanes, where no other request
+    waits for it. The engine takes the matcher once (processor_for); for
+    another tokenizer it compiles `source` again. Pickled (to the other
+    ranks under mx.distributed) as `source`."""
+
+    def __init__(self, source, grammar: Grammar, tokenizer):
+        self.source = source  # a Grammar, ForcedToolCall or StrictToolCalls
+        self.grammar = grammar
+        self._tokenizer = weakref.ref(tokenizer)
+        self._matcher: Optional[LLMatcher] = LLMatcher(
+            ll_tokenizer(tokenizer), grammar.text, log_level=0)
+
+    def is_for(self, tokenizer) -> bool:
+        return self._tokenizer() is tokenizer
+
+    def take_matcher(self, tokenizer) -> Optional[LLMatcher]:
+        """The matcher built ahead, once, if it is for `tokenizer`."""
+        matcher = self._matcher if self.is_for(tokenizer) else None
+        self._matcher = None if matcher is not None else self._matcher
+        return matcher
+
+    def __reduce_ex__(self, protocol):
+        return self.source.__reduce_ex__(protocol)
+
+
+def prepare(constraint, tokenizer) -> Optional[Prepared]:
+    """`constraint` compiled for `tokenizer`, its matcher built (None: it
+    constrains nothing). Raises ConstraintError."""
+    grammar = grammar_for(constraint, tokenizer)
+    return Prepared(constraint, grammar, tokenizer) if grammar is not None else None
+
+
 def grammar_for(constraint, tokenizer) -> Optional[Grammar]:
     """The grammar of a request's constraint (a Grammar, a ForcedToolCall, a
-    StrictToolCalls, or None). Raises ConstraintError."""
+    StrictToolCalls, a Prepared, or None). Raises ConstraintError."""
+    if isinstance(constraint, Prepared):
+        if constraint.is_for(tokenizer):
+            return constraint.grammar
+        constraint = constraint.source
     if isinstance(constraint, ForcedToolCall):
         return tool_call_grammar(constraint.tools, constraint.name, tokenizer=tokenizer)
     if isinstance(constraint, StrictToolCalls):
@@ -680,10 +722,12 @@ def processor_for(constraint, tokenizer, prompt=None,
     try:
         grammar = grammar_for(constraint, tokenizer)
     except ConstraintUnavailable:
-        if isinstance(constraint, StrictToolCalls):
+        source = constraint.source if isinstance(constraint, Prepared) else constraint
+        if isinstance(source, StrictToolCalls):
             return None  # best effort, as the API decided for the loaded model
         raise
     if grammar is None:
         return None
+    matcher = constraint.take_matcher(tokenizer) if isinstance(constraint, Prepared) else None
     return ConstraintProcessor(grammar, tokenizer, after_think=True, prompt=prompt,
-                               may_open_think=chat)
+                               may_open_think=chat, matcher=matcher)

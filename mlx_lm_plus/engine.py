@@ -52,7 +52,7 @@ from queue import Empty, Queue
 import threading
 from threading import Thread
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import (
@@ -109,6 +109,13 @@ DECODING_CHUNK_MIN = 32
 # token handed out: they run without a prompt chunk (_Batch._step), and no
 # more than this many do in a row.
 FIRST_TOKEN_STEPS = 2
+# A prefill wave (the first step of requests admitted while nothing decodes)
+# waits for requests the HTTP side is still planning (Engine.arrivals): at
+# most ARRIVAL_GAP seconds for the next to come, WAVE_WAIT in all, so that
+# requests sent together share one wave rather than the first going alone
+# and the rest waiting for it. A lone request has none to wait for.
+ARRIVAL_GAP = 0.005
+WAVE_WAIT = 0.025
 # Decode steps between two checks of the byte budget against the growing caches
 # of a batch (a KV buffer grows by 256 tokens at a time).
 BUDGET_EVERY = 16
@@ -368,6 +375,10 @@ class Engine:
         self.planned_at_admission = 0  # of them, planned on this thread (not before)
         self.tokens_out = 0  # tokens generated
         self.metrics = None  # a metrics.Metrics, set by the app
+        # How many requests the HTTP side has taken in and not submitted yet
+        # (parsing, planning): set by the app; see _await_arrivals.
+        self.arrivals: Callable[[], int] = lambda: 0
+        self._wave_since: Optional[float] = None  # first admission of a wave not stepped yet
         self._thread = Thread(target=self._run, name="mlx_lm_plus-generation")
         self._thread.daemon = True
         # The watchdog (--step-timeout): what the generation thread is busy
@@ -386,7 +397,6 @@ class Engine:
         self._clear_wanted: Optional[Future] = None  # DELETE /v1/cache, for the ranks
         self._clear_lock = threading.Lock()
         self._shutting_down = threading.Lock()
-        self._planning_since: Optional[float] = None  # Engine.plan running since
         # Image requests planned ahead and not admitted yet (their plans hold
         # the processor's pixel arrays, larger than the decoded images):
         # at most --prompt-concurrency; the rest are planned at admission.
@@ -438,11 +448,8 @@ class Engine:
                 if time.monotonic() - since > seconds:
                     self._on_hang(what, time.monotonic() - since, seconds, flag)
                     return
-            # The planning thread (Engine.plan): every request waits on it.
-            since = self._planning_since
-            if since is not None and time.monotonic() - since > limit:
-                self._on_hang("planning a prompt", time.monotonic() - since, limit)
-                return
+            # (Plans made ahead are not watched: a slow one fails its own
+            # request, past --planning-timeout; see lanes.py.)
 
     def _on_hang(self, what: str, seconds: float, limit: float, flag: Optional[str] = None):
         """The generation thread is stuck: say so, answer everyone, exit.
@@ -930,12 +937,8 @@ class Engine:
                 _serves_images(lm)
                 and len(self._image_plans) >= self.cli_args.prompt_concurrency)):
             return None
-        self._planning_since = time.monotonic()  # watched, as the generation thread is
-        try:
-            plan = self._build_plan(lm, request, args)
-            constraint = self._constraint(request, lm.tokenizer, plan)
-        finally:
-            self._planning_since = None
+        plan = self._build_plan(lm, request, args)
+        constraint = self._constraint(request, lm.tokenizer, plan)
         planned = Planned(key, plan, constraint, on_disk=self.store.disk_for(key) is not None)
         if images:
             # The pixels are in the plan now: the request, which its handler
@@ -1279,7 +1282,8 @@ class Engine:
                 finally:
                     self._admitting = None
                 continue
-
+            if self._await_arrivals():
+                continue
             self._step_batches()
 
         self._fail_held(EngineUnavailable("server shutting down"))
@@ -1290,6 +1294,24 @@ class Engine:
         self._fail_queue(EngineUnavailable("server shutting down"))  # (came meanwhile)
         self.model_provider.reset()
         gc.collect()
+
+    def _await_arrivals(self) -> bool:
+        """Before a prefill wave starts (requests admitted while no row
+        decodes, so no stream waits for a token): if the HTTP side is still
+        planning requests, wait a little for them (ARRIVAL_GAP for the next,
+        WAVE_WAIT in all) so they join this wave instead of waiting for all
+        of it. Returns whether one came (to be admitted first)."""
+        since = self._wave_since
+        if since is None or self._is_distributed or self.arrivals() <= 0 or self.decoding():
+            self._wave_since = None
+            return False
+        wait = min(ARRIVAL_GAP, since + WAVE_WAIT - time.monotonic())
+        queue = self.requests
+        with queue.not_empty:
+            came = wait > 0 and queue.not_empty.wait_for(lambda: bool(queue.queue), wait)
+        if not came:
+            self._wave_since = None
+        return bool(came)
 
     def _step_batches(self):
         """One step of each active batch in turn: a busy model doesn't starve
@@ -1696,6 +1718,8 @@ class Engine:
         if admission is not PARKED:
             if admission is not None:
                 batch.insert(admission)
+                if self._wave_since is None and not self.decoding():
+                    self._wave_since = time.monotonic()
             self.admitted += 1
         self.thread_seconds["admission"] += time.perf_counter() - tic - stepped
 

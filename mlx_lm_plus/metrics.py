@@ -71,6 +71,10 @@ class RequestRecord:
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
+        if self.id.startswith("resp_"):
+            # A stored response's id is all it takes to read or continue it
+            # (OpenAI's Responses API): /v1/stats shows its end only.
+            d["id"] = "resp_..." + self.id[-6:]
         d.update(
             computed_tokens=self.computed_tokens,
             prefill_tps=_round(self.prefill_tps),

@@ -8,11 +8,13 @@ Both are plain objects with no I/O, so the shapes are testable alone.
 """
 
 import json
+import logging
+import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.generate import TextStateMachine
-from mlx_lm.server import ToolCallFormatter
 
 
 @dataclass
@@ -123,6 +125,100 @@ def _entry_of(top: tuple, token) -> dict:
     return next((t for t in top if t["id"] == token), top[0])
 
 
+def partial_json(text: str) -> Any:
+    """The value a cut-off JSON text had so far: an open string closed, an
+    unfinished member or item dropped, open arrays and objects closed
+    (None: not even that parses)."""
+    stack, in_string, escaped, cuts = [], False, False, []
+    for i, c in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+            continue
+        if c == '"':
+            in_string = True
+        elif c in "{[":
+            stack.append("}" if c == "{" else "]")
+            cuts.append((i + 1, "".join(reversed(stack))))
+        elif c in "}]" and stack:
+            stack.pop()
+            cuts.append((i + 1, "".join(reversed(stack))))
+        elif c == ",":
+            cuts.append((i, "".join(reversed(stack))))
+    closers = "".join(reversed(stack))
+    candidates = [text + '"' + closers] if in_string and not escaped else []
+    candidates += [text + closers] + [text[:i] + closing for i, closing in reversed(cuts)]
+    for candidate in candidates:
+        try:
+            return json.loads(candidate)
+        except ValueError:
+            continue
+    return None
+
+
+@dataclass
+class TruncatedCall:
+    """A tool call max_tokens cut off: its name, and its arguments as far as
+    the model wrote them (JSON text that may not parse)."""
+
+    name: str
+    arguments: str
+
+    @classmethod
+    def of(cls, tool_text: str) -> Optional["TruncatedCall"]:
+        """From the text of a <tool_call> in the JSON format ({"name": ...,
+        "arguments": ...}) that was cut off; None: not that format, or cut
+        before its name."""
+        head = partial_json(tool_text.strip())
+        name = head.get("name") if isinstance(head, dict) else None
+        at = re.search(r'"arguments"\s*:\s*', tool_text)
+        if not isinstance(name, str) or at is None or not name:
+            return None
+        return cls(name, tool_text[at.end():].rstrip())
+
+
+class ToolCalls:
+    """Chat tool_calls from the texts of <tool_call> blocks, as upstream's
+    ToolCallFormatter writes them (its own, not reused: upstream drops a
+    call that max_tokens cut off, with the tokens the model wrote for it;
+    here a TruncatedCall is kept with its arguments as far as they go, as
+    OpenAI returns one)."""
+
+    def __init__(self, tool_parser, tools, streaming: bool = False):
+        self._parser = tool_parser
+        self._tools = tools
+        self._streaming = streaming
+        self._index = 0
+
+    def __call__(self, tool_texts) -> List[dict]:
+        out = []
+        for text in tool_texts or ():
+            if isinstance(text, TruncatedCall):
+                out.append(self._call(text.name, text.arguments, None))
+                continue
+            try:
+                parsed = self._parser(text, self._tools)
+            except (ValueError, json.JSONDecodeError) as e:
+                logging.warning(f"Failed to parse tool call ({type(e).__name__}: {e})")
+                continue
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                out.append(self._call(call["name"], json.dumps(
+                    call["arguments"], ensure_ascii=False), call.get("id")))
+        return out
+
+    def _call(self, name: str, arguments: str, call_id) -> dict:
+        call = {"function": {"name": name, "arguments": arguments}, "type": "function",
+                "id": call_id or str(uuid.uuid4())}
+        if self._streaming:
+            call["index"] = self._index
+            self._index += 1
+        return call
+
+
 @dataclass
 class CompletionAssembler:
     """Accumulates a completion from the engine's per-token Responses.
@@ -152,9 +248,7 @@ class CompletionAssembler:
         self._sm = self.ctx.text_sm.make_state(self.ctx.initial_state)
         self._prev_state = self.ctx.initial_state
         self._current_state = self.ctx.initial_state
-        self.format_tool_calls = ToolCallFormatter(
-            self.ctx.tool_parser, self.tools, self.stream
-        )
+        self.format_tool_calls = ToolCalls(self.ctx.tool_parser, self.tools, self.stream)
 
     def add(self, gen) -> bool:
         """Consume one Response. Returns whether a streaming chunk is due."""
@@ -203,9 +297,26 @@ class CompletionAssembler:
         return delta
 
     def finish(self):
-        """Close a pending tool call and settle the finish reason."""
+        """Close a pending tool call and settle the finish reason. A call
+        max_tokens cut off is kept as a TruncatedCall (or, in a format
+        that can't be read so, as text): what the model wrote is never
+        dropped."""
         if self._prev_state == "tool" and self.tool_text:
-            self.tool_calls.append(self.tool_text)
-            self.made_tool_call = True
+            raw, self.tool_text = self.tool_text, ""
+            call = raw
+            if self.finish_reason == "length" and not self._parses(raw):
+                call = TruncatedCall.of(raw)
+            if call is None:
+                self.text += raw
+            else:
+                self.tool_calls.append(call)
+                self.made_tool_call = True
         if self.finish_reason == "stop" and self.made_tool_call:
             self.finish_reason = "tool_calls"
+
+    def _parses(self, tool_text: str) -> bool:
+        try:
+            self.ctx.tool_parser(tool_text, self.tools)
+            return True
+        except (ValueError, json.JSONDecodeError):
+            return False

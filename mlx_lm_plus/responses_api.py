@@ -33,13 +33,16 @@ counts the assembler's chunks that carried reasoning (one per token as the
 server drives an exchange).
 
 Stored responses (store, default true) live in a bounded in-memory store:
-`ResponseStore` (count, JSON bytes, time to live; least recently used first
-out).
+`ResponseStore` (count, bytes, time to live; least recently used first
+out), each as the JSON it is (a Python dict held 5 to 30 times its JSON
+length), its conversation's data URLs kept apart, so that what the budget
+counts is what the store holds.
 """
 
 import copy
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -47,6 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from .responses import partial_json
 from .validation import RequestError, check_item_count, parse_request
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
@@ -81,22 +85,78 @@ def not_found(response_id: str) -> RequestError:
 # -- the store --
 
 
+# Strings this long are kept as they are in a stored conversation, not
+# written into its JSON: data URLs (tens of MB) would take the event loop's
+# time to write and read (json holds the GIL for a whole string).
+BIG_STRING_CHARS = 64 << 10
+# What stands for big string i in a stored conversation's JSON: a nonce no
+# client knows.
+_BIG = "\x00mlx_lm_plus:" + uuid.uuid4().hex + ":"
+# Python's own cost of an entry beyond its bytes: the entry, its two bytes
+# objects, the store's key and ordered-dict node.
+ENTRY_BYTES = 512
+
+
 @dataclass
 class _Stored:
-    response: Dict[str, Any]
+    """A stored response as JSON bytes (what it costs is what it holds:
+    the same values as Python objects took ~5 times their JSON, a `{}` 64
+    bytes where JSON counts 2, and the budget meant nothing)."""
+
+    response_json: bytes  # the Response object, as GET answers it
     # The conversation as chat messages, this response's output included
-    # (its instructions not: a continuation brings its own).
-    messages: List[Dict[str, Any]]
-    size: int
+    # (its instructions not: a continuation brings its own), with its big
+    # strings apart.
+    messages_json: bytes
+    big_strings: List[str]
     at: float
+
+    @property
+    def size(self) -> int:
+        return (len(self.response_json) + len(self.messages_json) + ENTRY_BYTES
+                + sum(sys.getsizeof(s) for s in self.big_strings))
+
+    def messages(self) -> List[Dict[str, Any]]:
+        """The stored conversation (a new copy at each call)."""
+        return _unpack(json.loads(self.messages_json), self.big_strings)
+
+
+def _pack(value: Any, big: List[str]) -> Any:
+    """`value` with each string of BIG_STRING_CHARS or more replaced by a
+    mark, the string appended to `big`. (Bodies nest at most
+    bodies.MAX_JSON_DEPTH levels.)"""
+    if isinstance(value, str):
+        if len(value) < BIG_STRING_CHARS:
+            return value
+        big.append(value)
+        return f"{_BIG}{len(big) - 1}"
+    if isinstance(value, dict):
+        return {k: _pack(v, big) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_pack(v, big) for v in value]
+    return value
+
+
+def _unpack(value: Any, big: List[str]) -> Any:
+    if isinstance(value, str):
+        return big[int(value[len(_BIG):])] if value.startswith(_BIG) else value
+    if isinstance(value, dict):
+        return {k: _unpack(v, big) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unpack(v, big) for v in value]
+    return value
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class ResponseStore:
-    """Stored responses, at most `max_responses` of them and `max_bytes` of
-    JSON in all (the response and its conversation, counted alone even where
-    conversations share messages), each for `ttl` seconds (None: no limit);
-    the least recently used go first. Read by request parsing in an
-    executor and written on the event loop: one lock."""
+    """Stored responses, at most `max_responses` of them and `max_bytes` in
+    all (each entry's JSON, counted alone even where conversations share
+    messages), each for `ttl` seconds (None: no limit); the least recently
+    used go first. Read by request parsing in an executor and written in
+    one: one lock."""
 
     def __init__(self, max_responses: int = 1000, max_bytes: int = 256 * 1024**2,
                  ttl: Optional[float] = 24 * 3600.0, clock=time.monotonic):
@@ -104,7 +164,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.ttl = ttl
         self._clock = clock
-        self._entries: "OrderedDict[str, _Stored]" = OrderedDict()
+        self._entries: "OrderedDict[str, Tuple[_Stored, int]]" = OrderedDict()
         self.bytes = 0
         self._lock = threading.Lock()
 
@@ -116,19 +176,19 @@ class ResponseStore:
             return
         now = self._clock()
         # Use doesn't extend the time to live: the oldest may be anywhere.
-        for key in [k for k, e in self._entries.items() if now - e.at > self.ttl]:
+        for key in [k for k, (e, _) in self._entries.items() if now - e.at > self.ttl]:
             self._drop(key)
 
     def _drop(self, key: str) -> None:
-        entry = self._entries.pop(key)
-        self.bytes -= entry.size
+        self.bytes -= self._entries.pop(key)[1]
 
     def put(self, response: Dict[str, Any], messages: List[Dict[str, Any]]) -> bool:
         """Store a response (False: it alone is over max_bytes, or the store
-        holds nothing)."""
-        size = json_size({"response": response, "messages": messages})
+        holds nothing). Writes its JSON: not on the event loop."""
+        big: List[str] = []
+        entry = _Stored(_json(response), _json(_pack(messages, big)), big, self._clock())
         with self._lock:
-            return self._put(response["id"], _Stored(response, messages, size, self._clock()))
+            return self._put(response["id"], entry)
 
     def _put(self, key: str, entry: _Stored) -> bool:
         size = entry.size
@@ -140,17 +200,18 @@ class ResponseStore:
         while self._entries and (len(self._entries) >= self.max_responses
                                  or self.bytes + size > self.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[key] = entry
+        self._entries[key] = (entry, size)
         self.bytes += size
         return True
 
     def get(self, key: str) -> Optional[_Stored]:
         with self._lock:
             self._expire()
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+            found = self._entries.get(key)
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            return found[0]
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -161,33 +222,19 @@ class ResponseStore:
             return True
 
 
-def json_size(value: Any) -> int:
-    """The bytes of `value` as json.dumps(value, ensure_ascii=False) writes
-    it, without writing it (a conversation's data URLs run to tens of MB,
-    serialized on the event loop), escapes in strings aside. (A walk, not
-    a recursion: tool schemas nest deeper than Python recurses.)"""
-    n, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            n += 2 + (len(v) if v.isascii() else len(v.encode()))
-        elif isinstance(v, dict):
-            n += max(2, 4 * len(v))  # braces, ": " and ", "
-            stack += (str(k) for k in v)
-            stack += v.values()
-        elif isinstance(v, (list, tuple)):
-            n += max(2, 2 * len(v))
-            stack += v
-        else:
-            n += len(json.dumps(v))
-    return n
-
-
 # -- request: items -> chat messages --
 
 
 # Text parts, whichever side wrote them (clients replay output as input).
 TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 def _text_parts(content, where: str):
@@ -305,6 +352,10 @@ class _Conversation:
             arguments = json.dumps(arguments, ensure_ascii=False)
         if not isinstance(arguments, str):
             raise RequestError(f"{at}.arguments: must be a string (JSON text)")
+        if item.get("status") == "incomplete" and not _parses(arguments):
+            # A call max_tokens cut off: templates take arguments as JSON,
+            # so as far as they parse (responses.partial_json).
+            arguments = json.dumps(partial_json(arguments) or {}, ensure_ascii=False)
         if arguments.strip():
             try:
                 json.loads(arguments)
@@ -427,10 +478,24 @@ def _tool_choice(choice, tools) -> Any:
             raise RequestError(f"tool_choice.name: no function tool named {name!r} in tools")
         return {"type": "function", "name": name}
     if kind == "allowed_tools":
-        if choice.get("mode") not in ("auto", "required"):
+        mode, allowed = choice.get("mode"), choice.get("tools")
+        if mode not in ("auto", "required"):
             raise RequestError("tool_choice.mode: must be 'auto' or 'required'")
-        if not isinstance(choice.get("tools"), list):
-            raise RequestError("tool_choice.tools: must be a list")
+        if not isinstance(allowed, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("name"), str) for t in allowed):
+            raise RequestError("tool_choice.tools: must be a list of {'type': 'function', "
+                               "'name': ...}")
+        names = {t["name"] for t in allowed}
+        every = {t["function"]["name"] for t in tools or ()}
+        if not names <= every:
+            raise RequestError(f"tool_choice.tools: no function tool named "
+                               f"{sorted(names - every)[0]!r} in tools")
+        # Enforced as far as chat completions' tool_choice can say it: all
+        # the tools (auto / required), or one of them (required).
+        if names != every and not (mode == "required" and len(names) == 1):
+            raise RequestError("tool_choice: allowed_tools restricting the calls to some of "
+                               "the tools is not supported by this server (allow them all, "
+                               "or require one by name)")
         return choice
     raise RequestError(f"tool_choice: type {kind!r} is not supported by this server "
                 "(only function tools are)")
@@ -439,7 +504,10 @@ def _tool_choice(choice, tools) -> Any:
 def _chat_tool_choice(choice) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice["name"]}}
-    if isinstance(choice, dict):  # allowed_tools: its mode, for now
+    if isinstance(choice, dict):  # allowed_tools (see _tool_choice): all, or one by name
+        names = [t["name"] for t in choice["tools"]]
+        if choice["mode"] == "required" and len(names) == 1:
+            return {"type": "function", "function": {"name": names[0]}}
         return choice["mode"]
     return choice
 
@@ -564,7 +632,7 @@ def to_chat_body(body: Any, store: ResponseStore,
         previous = store.get(previous_id)
         if previous is None:
             raise not_found(previous_id)
-        history = list(previous.messages)
+        history = previous.messages()
     if "input" not in body and previous_id is None:
         raise RequestError("input: required (a string or a list of input items)")
     new, _ = to_messages(body.get("input"), _call_ids(history))
@@ -648,7 +716,7 @@ class ResponsesProtocol(WireProtocol):
                 entry = self.store.get(key)
                 if entry is None:
                     return 404, self.error_body(str(not_found(key)), 404)
-                return 200, entry.response
+                return 200, entry.response_json
             if method == "DELETE":
                 if not self.store.delete(key):
                     return 404, self.error_body(str(not_found(key)), 404)
@@ -714,6 +782,7 @@ class ResponsesExchange(Exchange):
         self._held = ""  # whitespace that may start a message
         self._seq = 0
         self._started = False
+        self._finished: Optional[dict] = None  # the response once it ended, to store
         self.reasoning_chunks = 0
 
     # -- shapes --
@@ -825,7 +894,9 @@ class ResponsesExchange(Exchange):
                            output_index=index, delta=arguments)
         out += self._event("response.function_call_arguments.done", item_id=item["id"],
                            output_index=index, arguments=arguments)
-        item["status"] = "completed"
+        # (Arguments that don't parse: a call max_tokens cut off, as far as
+        # the model wrote it: responses.TruncatedCall.)
+        item["status"] = "completed" if _parses(arguments) else "incomplete"
         return out + self._event("response.output_item.done", output_index=index,
                                  item=dict(item))
 
@@ -860,7 +931,7 @@ class ResponsesExchange(Exchange):
         reasoning_tokens = min(self.reasoning_chunks, completion.completion_tokens)
         response = self.response(status, self.usage(completion, reasoning_tokens),
                                  incomplete=incomplete)
-        self._save(response)
+        self._finished = response
         return frames, status, response
 
     def finish(self, completion: Completion) -> bytes:
@@ -882,8 +953,10 @@ class ResponsesExchange(Exchange):
     def count_body(self, input_tokens: int) -> Dict[str, Any]:
         return {"object": "response.input_tokens", "input_tokens": input_tokens}
 
-    def _save(self, response: dict) -> None:
-        if self.store is None or not self.request.store:
+    def save(self) -> None:
+        """Store the finished response (store: true)."""
+        response = self._finished
+        if self.store is None or not self.request.store or response is None:
             return
         try:
             messages = self.request.history + output_messages(response["output"])

@@ -43,6 +43,7 @@ OUR_FLAGS = (
     "--disable-metrics",
     "--allow-private-image-hosts",
     "--step-timeout",
+    "--planning-timeout",
     "--distributed-timeout",
     "--watchdog-grace",
     "--max-request-image-pixels",
@@ -422,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
         "0: no watchdog)",
     )
     parser.add_argument(
+        "--planning-timeout",
+        type=float,
+        default=60.0,
+        help="(mlx_lm_plus) Seconds a request may wait for its prompt to be "
+        "planned and its structured-output constraint compiled, before it is "
+        "queued; past it that request alone gets 503 with Retry-After "
+        "(default: 60)",
+    )
+    parser.add_argument(
         "--watchdog-grace",
         type=float,
         default=5.0,
@@ -504,6 +514,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.step_timeout < 0 or args.watchdog_grace < 0 or args.distributed_timeout < 0:
         parser.error("--step-timeout, --distributed-timeout and --watchdog-grace must be "
                      "at least 0")
+    if not args.planning_timeout > 0:
+        parser.error("--planning-timeout must be more than 0")
     if args.prompt_cache_bits is not None and args.kv_group_size not in (32, 64, 128):
         parser.error("--prompt-cache-bits needs a --kv-group-size of 32, 64 or 128")
     if args.kv_bits is not None:

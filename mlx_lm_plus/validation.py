@@ -365,9 +365,25 @@ def _stop_words(body):
     return [s for s in stop if s]
 
 
+# Fields other servers take to hold the output to a schema, a regex, a
+# choice or a grammar (vLLM's guided_* and structured_outputs, llama.cpp's
+# json_schema and grammar). Upstream ignores them, and the client believes
+# it got what it asked for: they are refused, pointing to what this server
+# enforces.
+FOREIGN_ENFORCEMENT = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                       "guided_decoding_backend", "structured_outputs", "json_schema",
+                       "grammar")
+
+
 def _structured_output(request: Request, body: Dict[str, Any]) -> None:
     """response_format (both endpoints) and tool_choice (chat), by shape;
     the schemas themselves are compiled by constraints.py."""
+    for name in FOREIGN_ENFORCEMENT:
+        if body.get(name) is not None:
+            raise RequestError(
+                f"{name} is not supported by this server: use response_format "
+                "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}), "
+                "tool_choice or strict tools, which are enforced")
     response_format = body.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict):

@@ -49,6 +49,11 @@ class Exchange:
     def stream_error(self, message: str, status: int) -> bytes:
         raise NotImplementedError
 
+    def save(self) -> None:
+        """Keep what the protocol keeps of a finished answer (Responses:
+        the stored response). Called once `finish` or `body` returned,
+        before the answer is sent, in an executor: it may write JSON."""
+
     def count_body(self, input_tokens: int) -> Dict[str, Any]:
         """The answer to a request planned only (`Request.count_only`)."""
         return {"input_tokens": input_tokens}

@@ -531,3 +531,82 @@ def test_images_to_a_text_model_fail_without_waiting_for_the_batch(fixture_path)
         assert first is not None and running
     finally:
         runner.close()
+
+
+def _deep_bodies():
+    """(path, body, stream) with a value each protocol echoes or recurses
+    into (a tool's parameters, a schema) that _deep() nests."""
+    params = {"type": "object", "properties": {}, "x-deep": "DEEP"}
+    chat_tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    for stream in (False, True):
+        yield CHAT, chat(stream=stream, tools=[chat_tool]), stream
+        # (tool_choice "none": the tools are echoed, or kept, but never
+        # rendered, whose recursion refused deep ones first.)
+        yield CHAT, chat(stream=stream, tools=[chat_tool], tool_choice="none"), stream
+        yield MESSAGES, message(stream=stream, tools=[{"name": "f", "input_schema": params}],
+                                tool_choice={"type": "none"}), stream
+        yield RESPONSES, response(stream=stream, tool_choice="none", tools=[
+            {"type": "function", "name": "f", "parameters": params}]), stream
+        yield CHAT, chat(stream=stream, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": params}}), stream
+        yield MESSAGES, message(stream=stream, tools=[
+            {"name": "f", "input_schema": params}]), stream
+        yield RESPONSES, response(stream=stream, tools=[
+            {"type": "function", "name": "f", "parameters": params}]), stream
+        yield RESPONSES, response(stream=stream, text={"format": {
+            "type": "json_schema", "name": "s", "schema": params}}), stream
+
+
+def _deep(body, levels: int) -> bytes:
+    """`body` as JSON, its "DEEP" nesting `levels` arrays (written as text:
+    this process's json can't write them)."""
+    return json.dumps(body).replace('"DEEP"', "[" * levels + "]" * levels).encode()
+
+
+def _check_stream_end(path, data: bytes):
+    """A 200 stream ends in its protocol's way, and holds one response."""
+    assert b"HTTP/1." not in data, data[-500:]
+    text = data.decode()
+    if path == CHAT:
+        assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+    elif path == MESSAGES:
+        assert "event: message_stop" in text or "event: error" in text, text[-300:]
+    else:
+        assert any(f"event: response.{end}" in text
+                   for end in ("completed", "incomplete", "failed")), text[-300:]
+
+
+def test_nesting_at_the_parsers_edge_never_breaks_a_stream(server):
+    """Found in review: a streamed /v1/responses whose tool parameters
+    nested ~966 arrays got its 200 head, then json.dumps raised building
+    response.created and a second HTTP response was written into the
+    stream. On every protocol, streamed or not, with nesting around the
+    server's bound (bodies.MAX_JSON_DEPTH) and around json's own limit: a
+    4xx JSON error, or a 200 that ends in its protocol's way; the server
+    stays healthy."""
+    from mlx_lm_plus.bodies import MAX_JSON_DEPTH
+
+    # (The bodies place the nested value 4 to 6 levels down.)
+    depths = [MAX_JSON_DEPTH - 8, MAX_JSON_DEPTH - 4, MAX_JSON_DEPTH,
+              *range(940, 1001, 3), 1200]
+    seen = set()
+    for levels in depths:
+        for path, body, stream in _deep_bodies():
+            raw = _deep(body, levels)
+            status, headers, data = server.request("POST", path, raw=raw)
+            seen.add(status)
+            if status == 200:
+                if stream:
+                    _check_stream_end(path, data)
+                else:
+                    json.loads(data)
+            else:
+                assert 400 <= status < 500, (levels, path, stream, status, data[:300])
+                assert headers.get("Content-Type", "").startswith("application/json")
+                error = json.loads(data)
+                if levels > MAX_JSON_DEPTH:
+                    assert "levels deep" in str(error) or "recursion" in str(error), error
+            assert server.get("/health") == (200, {"status": "ok"})
+    assert 200 in seen and 400 in seen
+    status, r = server.post(CHAT, chat())
+    assert status == 200 and r["usage"]["completion_tokens"] == 2

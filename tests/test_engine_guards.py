@@ -327,13 +327,14 @@ async def test_a_handler_waits_for_the_read_ahead_of_its_entry_by_another():
     engine = types.SimpleNamespace(
         is_healthy=True, plan=lambda request, args: planned,
         read_ahead=lambda p: reading if p is planned else None)
-    server = types.SimpleNamespace(engine=engine,
-                                   _planner=concurrent.futures.ThreadPoolExecutor(1))
+    from mlx_lm_plus.lanes import Lane
+
+    server = types.SimpleNamespace(engine=engine, _planner=Lane("planning"),
+                                   _planning_timeout=60.0, _engine_down=lambda: None)
     parsed = types.SimpleNamespace(request=types.SimpleNamespace(count_only=False), args=None)
     threading.Timer(0.3, reading.set_result, (True,)).start()
-    await Server._plan(server, parsed)
+    await Server._plan(server, parsed, 0)
     assert reading.done() and parsed.request.planned is planned
-    server._planner.shutdown()
 
 
 def test_housekeeping_lets_stale_reads_ahead_go_on_a_quiet_server(fixture_path):

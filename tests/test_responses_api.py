@@ -25,7 +25,6 @@ from mlx_lm_plus.responses import CompletionAssembler
 from mlx_lm_plus.responses_api import (
     ResponsesProtocol,
     ResponseStore,
-    json_size,
     output_messages,
     to_chat_body,
 )
@@ -249,6 +248,17 @@ def test_get_delete_and_store_false(server, client):
         "type": "invalid_request_error", "param": None, "code": None}}
 
 
+def test_stats_do_not_give_stored_response_ids_away(server, client):
+    """An id is all it takes to read or continue a stored response: /v1/stats
+    (which any local non-browser client may read without --api-key) and the
+    request log show its end only."""
+    r = client.responses.create(model="m", input="Hi", max_output_tokens=2)
+    stats = server.get("/v1/stats")[1]
+    assert r.id not in json.dumps(stats)
+    assert f"resp_...{r.id[-6:]}" in [q["id"] for q in stats["requests"]]
+    assert client.responses.retrieve(r.id).id == r.id
+
+
 def test_function_call_round_trip(server, client):
     """A tool result answered: the same prompt as chat completions' tool
     messages."""
@@ -415,8 +425,12 @@ def run_exchange(tokenizer, pieces, stream, finish="stop", store=None, request=N
     out += exchange.delta(*assembler.take_delta())
     completion = Completion(assembler.finish_reason, None, 3, len(assembler.tokens), 1)
     if stream:
-        return out + exchange.finish(completion), completion, protocol
-    return exchange.body(completion), completion, protocol
+        out += exchange.finish(completion)
+        exchange.save()
+        return out, completion, protocol
+    body = exchange.body(completion)
+    exchange.save()
+    return body, completion, protocol
 
 
 def mock_client(handler):
@@ -445,8 +459,8 @@ def test_reasoning_text_and_function_calls_body(tokenizer):
 
     # Stored: the conversation continues as one assistant turn; the tool
     # results answer its calls.
-    (stored,) = protocol.store._entries.values()
-    assert stored.messages[-1] == {
+    (stored,) = [protocol.store.get(key) for key in protocol.store._entries]
+    assert stored.messages()[-1] == {
         "role": "assistant", "content": "\n\nLet me check.",
         "reasoning_content": "The user wants weather.",
         "tool_calls": [{"id": c.call_id, "type": "function",
@@ -639,32 +653,69 @@ def test_store_limits():
     store.get("a")  # a is now the most recently used
     assert put("c")
     assert store.get("b") is None and store.get("a") and store.get("c") and len(store) == 2
-    assert put("big", 9800)  # over the byte budget with the others: they go
+    assert put("big", 9000)  # over the byte budget with the others: they go
     assert len(store) == 1 and store.get("big")
-    assert store.bytes == len(json.dumps({"response": {"id": "big"},
-                                          "messages": [{"role": "user",
-                                                        "content": "x" * 9800}]}))
+    assert 9000 < store.bytes <= 10_000
     assert not put("huge", 20_000) and store.get("huge") is None
     now[0] = 61
     assert store.get("big") is None and len(store) == 0 and store.bytes == 0
     assert put("d") and store.delete("d") and not store.delete("d")
 
 
-def test_json_size_is_the_json_length_without_writing_it():
-    # The store counts conversations (tens of MB of data URLs) by walking
-    # them: the length json.dumps would give, escapes in strings aside.
-    values = [{}, [], "", {"a": [1, 2.5, None, True, False, {}, []]},
-              {"id": "resp_1", "output": [{"type": "message", "content": "héllo → 世界"}]},
-              [{"role": "user", "content": [{"type": "image_url",
-                                             "image_url": {"url": "data:image/png;base64," + "A" * 5000}}]}]]
-    for value in values:
-        assert json_size(value) == len(json.dumps(value, ensure_ascii=False).encode()), value
-    assert json_size("a\nb") < len(json.dumps("a\nb"))
-    # Deeper than Python recurses (tool schemas): every level is '{"p": ' and '}'.
-    deep = {}
-    for _ in range(5000):
-        deep = {"p": deep}
-    assert json_size(deep) == 5000 * len('{"p": }') + 2
+def test_stored_conversations_come_back_as_they_went_in():
+    """A conversation's big strings (data URLs) are kept apart from its
+    JSON and put back; a client's string that looks like a mark is only a
+    string."""
+    url = "data:image/png;base64," + "QUJD" * 40_000
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "\x00mlx_lm_plus:0"}, {"type": "text", "text": "é → 世界"}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}]
+    store = ResponseStore()
+    assert store.put({"id": "r", "output": [], "tools": [{"a": [1, 2.5, None, True]}]},
+                     messages)
+    entry = store.get("r")
+    assert entry.messages() == messages and entry.messages() is not entry.messages()
+    assert json.loads(entry.response_json)["tools"] == [{"a": [1, 2.5, None, True]}]
+    assert len(entry.messages_json) < 1000  # (the data URL is not in it)
+    assert store.bytes >= len(url)
+
+
+def test_the_store_holds_what_its_budget_says():
+    """Found in review: responses echoing 1.8 MB of tools each grew the
+    server by ~24 times --responses-store-bytes (Python objects counted as
+    their JSON length). What the store really holds, measured by
+    tracemalloc after 16 such responses, is within 1.5x of its budget."""
+    import gc
+    import tracemalloc
+
+    tools = [{"type": "function", "name": f"tool_{i}", "description": "d" * 40,
+              "parameters": {"type": "object", "properties": {
+                  f"p{j}": {"type": "string", "description": "x" * 10, "enum": ["a", "b"]}
+                  for j in range(30)}, "required": ["p0"]}} for i in range(700)]
+    echo = json.dumps(tools)
+    echo_bytes = len(echo)
+    assert 1.5e6 < echo_bytes < 2.5e6
+    budget = 8 << 20
+    store = ResponseStore(max_bytes=budget)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(16):
+            response = {"id": f"resp_{i}", "object": "response", "tools": json.loads(echo),
+                        "output": [{"type": "message", "content": [{"text": "hi"}]}]}
+            assert store.put(response, [{"role": "user", "content": f"question {i}"}])
+            del response
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    print(f"held {held / 2**20:.1f} MiB for a budget of {budget / 2**20:.0f} MiB, "
+          f"counted {store.bytes / 2**20:.1f} MiB in {len(store)} entries")
+    assert len(store) >= 3  # (entries were kept: the budget is what limits them)
+    assert held <= 1.5 * budget
+    assert store.bytes <= budget and held >= 0.9 * store.bytes
 
 
 def test_output_messages_of_empty_output():

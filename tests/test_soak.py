@@ -15,7 +15,7 @@ def test_short_soak(fixture_path, tmp_path):
     args = ["--model", str(fixture_path("qwen3")), "--prompt-cache-bytes", str(1 << 20)]
     with ServerProcess(OURS, args, log=log) as server:
         result = asyncio.run(run_soak(server.url, server.proc.pid, minutes=0.75, interval=10,
-                                      clients=8, warmup_intervals=1))
+                                      clients=8, warmup_intervals=1, flood_every=12))
     print(report(result))
     print("(the RSS check above is not asserted here: 45 s is mostly warm-up)")
     assert result["mismatches"] == 0, result["examples"]["mismatch"]
@@ -23,6 +23,8 @@ def test_short_soak(fixture_path, tmp_path):
     assert result["failed"] == 0, result["examples"]["failed"]
     assert result["bad_sent"] > 0 and result["bad_4xx"] == result["bad_sent"], \
         result["examples"]["bad_other"]
+    assert result["flood_sent"] > 0 and result["flood_other"] == 0, \
+        result["examples"]["flood_other"]
     assert result["completed"] > 0 and result["disconnected"] > 0
     assert result["evictions"] > 0
     assert result["healthy_after"]

@@ -282,6 +282,10 @@ def test_chat_strict_tools_when_the_model_chooses_to_call(server, fixture_path):
     for status, r in answers[:2] + answers[5:]:
         calls = r["choices"][0]["message"].get("tool_calls")
         assert calls, r
+        if r["choices"][0]["finish_reason"] == "length":
+            # (The call max_tokens cut off comes back as far as it went.)
+            assert calls[-1]["function"]["name"] in PARAMS
+            calls = calls[:-1]
         for call in calls:
             fn = call["function"]
             validate(fn["arguments"], PARAMS[fn["name"]])
@@ -530,6 +534,68 @@ def test_max_tokens_too_small_gives_length(server):
     assert answers[0][1]["choices"][0]["message"]["content"].startswith('{"name": "')
     assert answers[0][1]["choices"][0]["message"]["content"] == \
         answers[1][1]["choices"][0]["message"]["content"]
+
+
+def test_a_forced_call_cut_off_is_returned_as_far_as_it_goes(server, claude, oai):
+    """Found by openai-agents: a forced tool call cut off by max_tokens came
+    back as content null, no tool_calls, finish_reason "length" (the tokens
+    lost). On every protocol, streamed or not, the call comes back as far
+    as the model wrote it, as OpenAI and Anthropic return one: its name,
+    and arguments that are a prefix of the whole call's (greedy: the same
+    tokens), with the protocol's length stop."""
+    forced = {"tools": TOOLS, "tool_choice": {"type": "function",
+                                              "function": {"name": "get_weather"}}}
+    whole, cut, cut_stream = post_all(server, [
+        ("/v1/chat/completions", chat_body("Weather?", 100, **forced)),
+        ("/v1/chat/completions", chat_body("Weather?", 25, **forced)),
+        ("/v1/chat/completions", chat_body("Weather?", 25, stream=True, **forced))])
+    full = whole[1]["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    validate(full, WEATHER)
+    for status, r in (cut, cut_stream):
+        choice = r["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "length", r
+        (call,) = choice["message"]["tool_calls"]
+        partial = call["function"]["arguments"]
+        assert call["function"]["name"] == "get_weather"
+        assert 0 < len(partial) < len(full) and full.startswith(partial), (partial, full)
+        assert choice["message"]["content"] is None
+
+    # Responses: the function_call item, incomplete; the response incomplete.
+    for stream in (False, True):
+        kw = dict(model="m", max_output_tokens=25, reasoning={"effort": "none"},
+                  tools=RESPONSES_TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                  input="Weather?")
+        if stream:  # (the SDK's stream helper waits for response.completed only)
+            ends = [e.response for e in oai.responses.create(stream=True, **kw)
+                    if e.type in ("response.completed", "response.incomplete")]
+            (response,) = ends
+        else:
+            response = oai.responses.create(**kw)
+        assert response.status == "incomplete", response
+        assert response.incomplete_details.reason == "max_output_tokens"
+        (item,) = [o for o in response.output if o.type == "function_call"]
+        assert item.name == "get_weather" and item.status == "incomplete"
+        assert item.arguments and not item.arguments.endswith("}")
+        # ... and a continuation of it is served (its arguments as far as they parse).
+        more = oai.responses.create(model="m", max_output_tokens=2, previous_response_id=
+                                    response.id, reasoning={"effort": "none"},
+                                    input=[{"type": "function_call_output",
+                                            "call_id": item.call_id, "output": "sunny"}])
+        assert more.status in ("completed", "incomplete"), more
+
+    # Messages: a tool_use block with the input so far; stop_reason max_tokens.
+    kw = dict(model="m", max_tokens=25, thinking={"type": "disabled"}, tools=ANTHROPIC_TOOLS,
+              tool_choice={"type": "tool", "name": "get_weather"}, messages=user("Weather?"))
+    message = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as events:
+        streamed = events.get_final_message()
+    for m in (message, streamed):
+        assert m.stop_reason == "max_tokens", m
+        (block,) = [b for b in m.content if b.type == "tool_use"]
+        assert block.name == "get_weather" and isinstance(block.input, dict)
+        assert set(block.input) <= set(WEATHER["properties"])
+    assert [b.input for b in message.content] == [b.input for b in streamed.content]
+    assert_serves(server)
 
 
 # -- 6. the prompt cache ----------------------------------------------------------------------
