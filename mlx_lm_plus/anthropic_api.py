@@ -33,7 +33,13 @@ from typing import Any, Dict, List, Optional
 from .bodies import b64decode
 from .logs import warn_once
 from .responses import partial_json
-from .validation import RequestError, check_item_count, parse_request
+from .validation import (
+    FOREIGN_ENFORCEMENT,
+    RequestError,
+    check_item_count,
+    parse_request,
+    refuse_foreign_enforcement,
+)
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 MESSAGES = "/v1/messages"
@@ -340,8 +346,12 @@ def to_chat_body(body: Any, count_only: bool = False,
     if not isinstance(body, dict):
         raise RequestError("Request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model: Input should be a valid string")
+    if not model:
         raise RequestError("model: Field required")
+    refuse_foreign_enforcement(body, ("response_format", *FOREIGN_ENFORCEMENT),
+                               "output_config.format ({'type': 'json_schema', 'schema': {...}})")
     chat: Dict[str, Any] = {"model": model}
     if not count_only:
         if "max_tokens" not in body:
@@ -495,7 +505,7 @@ class MessagesExchange(Exchange):
         arguments = function.get("arguments") or "{}"
         try:
             args = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             # A call max_tokens cut off (responses.TruncatedCall): its input
             # as far as it parses, streamed as that JSON (the SDKs' partial
             # parsers drop a cut-off string: the stream would differ).

@@ -67,10 +67,11 @@ RECEIVING_BYTES = 1 << 30
 BODY_IDLE_SECONDS = 60.0
 BODY_MIN_RATE = 64 << 10
 # Lanes (lanes.py): a request's prompt is planned in the large lane when its
-# body is larger than LARGE_LANE_PLAN_BYTES (images, long conversations), its
-# constraint compiled in the large one when the body is larger than
-# LARGE_LANE_CONSTRAINT_BYTES (a schema can't be larger than its body); each
-# large lane holds at most LARGE_LANE_HELD requests, and turns more away.
+# body (and a conversation it continues) is larger than LARGE_LANE_PLAN_BYTES
+# (images, long conversations), its constraint compiled in the large one
+# when the body is larger than LARGE_LANE_CONSTRAINT_BYTES (a schema can't
+# be larger than its body), which holds at most LARGE_LANE_HELD requests
+# and turns more away (large plans are bounded by the requests in flight).
 LARGE_LANE_PLAN_BYTES = 1 << 20
 LARGE_LANE_CONSTRAINT_BYTES = 64 << 10
 LARGE_LANE_HELD = 16
@@ -167,7 +168,7 @@ class Server:
         # in a large lane, so that a flood of large schemas or prompts never
         # holds up the others (lanes.py).
         self._planner = Lane("planning")
-        self._planner_large = Lane("planning large requests", LARGE_LANE_HELD)
+        self._planner_large = Lane("planning large requests")
         self._constraints = Lane("constraints")
         self._constraints_large = Lane("large constraints", LARGE_LANE_HELD)
         self._planning_timeout = getattr(cli_args, "planning_timeout", 60.0)
@@ -628,7 +629,8 @@ class Server:
         plan = getattr(self.engine, "plan", None)
         if plan is None or parsed.request.count_only:
             return
-        lane = self._planner_large if body_bytes > LARGE_LANE_PLAN_BYTES else self._planner
+        size = body_bytes + parsed.carried_bytes
+        lane = self._planner_large if size > LARGE_LANE_PLAN_BYTES else self._planner
         try:
             planned = parsed.request.planned = await lane.run(
                 plan, parsed.request, parsed.args, deadline=self._planning_timeout,
@@ -816,7 +818,7 @@ class Server:
             )
 
         if parsed.request.count_only and exchange is not None:
-            counted = await self._count(request, parsed, exchange, track)
+            counted = await self._count(request, parsed, exchange)
             if counted is not None:
                 return counted
 
@@ -863,7 +865,7 @@ class Server:
             # Whatever happened (done, error, disconnect), the engine may stop.
             channel.cancel()
 
-    async def _count(self, request, parsed, exchange, track):
+    async def _count(self, request, parsed, exchange):
         """count_tokens: the prompt is planned in an executor with the loaded
         model's tokenizer and image processor (rendering a long conversation
         takes seconds: never between batch steps). None: the engine counts
@@ -872,11 +874,15 @@ class Server:
         count = getattr(self.engine, "count_prompt", None)
         if count is None:
             return None
-        lane = self._planner_large if track.body_bytes > LARGE_LANE_PLAN_BYTES \
-            else self._planner
         try:
-            n = await lane.run(count, parsed.request, parsed.args,
-                               deadline=self._planning_timeout, still_wanted=self._engine_down)
+            if parsed.request.images is None:
+                # (As planning, but for nothing that waits on it: beside it.)
+                n = await asyncio.get_running_loop().run_in_executor(
+                    None, count, parsed.request, parsed.args)
+            else:  # (the pixel arrays: one image request at a time, with plans)
+                n = await self._planner_large.run(
+                    count, parsed.request, parsed.args, deadline=self._planning_timeout,
+                    still_wanted=self._engine_down)
         except PromptError as e:
             return self.error(request, str(e), 400)
         except (LaneBusy, EngineUnavailable) as e:
@@ -922,14 +928,10 @@ class Server:
                     return await self._end_stream(response, track, str(item), status)
                 if track.first is None:
                     track.first = time.perf_counter()
-                try:
-                    if assembler.add(item):
-                        frames = exchange.delta(*assembler.take_delta())
-                        if response is not None and frames:
-                            pending.append(frames)
-                except Exception:
-                    await _write_all(response, pending)  # what came before still goes out
-                    raise
+                if assembler.add(item):
+                    frames = exchange.delta(*assembler.take_delta())
+                    if response is not None and frames:
+                        pending.append(frames)
             await _write_all(response, pending)
             assembler.finish()
             frames = exchange.delta(*assembler.take_delta())
@@ -940,14 +942,13 @@ class Server:
                 completion_tokens=len(assembler.tokens),
                 cached_tokens=ctx.prompt_cache_count or 0,
             )
-            loop = asyncio.get_running_loop()
+            answer = exchange.body(completion) if response is None else \
+                frames + exchange.finish(completion)
+            if exchange.keeps_answer:  # (it writes JSON: not on the loop)
+                await asyncio.get_running_loop().run_in_executor(None, exchange.save)
             if response is None:
-                answer = exchange.body(completion)
-                await loop.run_in_executor(None, exchange.save)
                 return self.json_response(request, answer)
-            frames += exchange.finish(completion)
-            await loop.run_in_executor(None, exchange.save)
-            await response.write(frames)
+            await response.write(answer)
             return response
         except Exception:
             # (handle_completion ends an open stream, dispatch answers the rest)
@@ -1049,8 +1050,12 @@ class Server:
                 await _write_all(response, pending)  # what came before still goes out
                 raise
 
-        assembler.finish()
-        text, tool_calls, reasoning = assembler.take_delta()
+        try:
+            assembler.finish()
+            text, tool_calls, reasoning = assembler.take_delta()
+        except Exception:
+            await _write_all(response, pending)  # what came before still goes out
+            raise
         pending.append(_sse(builder.response(text, assembler.finish_reason,
                                              tool_calls=tool_calls, reasoning_text=reasoning)))
         options = parsed.stream_options

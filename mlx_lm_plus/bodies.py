@@ -17,8 +17,11 @@ does it a piece at a time, for the same reason.
 
 import base64
 import json
+import re
 import uuid
 from typing import Any, List
+
+import numpy as np
 
 # Payloads shorter than this are parsed where they are.
 MIN_PAYLOAD_BYTES = 64 << 10
@@ -80,29 +83,38 @@ def parse_body(raw: bytes) -> Any:
                 pass  # (parsed whole: its own error, where it is)
             else:
                 # (Base64 has no brackets: the skeleton's count is the body's.)
-                check_depth(value, skeleton)
+                check_depth(skeleton)
                 return _put_back(value, payloads)
         payloads.clear()
     value = _loads(raw)
-    check_depth(value, raw)
+    check_depth(raw)
     return value
 
 
-def check_depth(value: Any, raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
-    """BodyError if `value` (parsed from `raw`) nests arrays and objects
-    deeper than `limit`. A body with at most `limit` brackets can't (the
-    usual case, counted at memchr speed); others are walked, containers
-    only, without recursion."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_DEPTH_PIECE = 4 << 20  # bytes of brackets counted at once
+
+
+def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """BodyError if the JSON text `raw` (valid: already parsed) nests
+    arrays and objects deeper than `limit`. A body with at most `limit`
+    brackets can't (the usual case, counted at memchr speed); others have
+    their strings blanked (a regex) and the running count of brackets
+    taken with numpy: C speed, where a walk of the parsed value took
+    1.7 s for an 8 MB body of empty lists."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
+    text = _JSON_STRING.sub(b'""', raw)
+    depth = 0
+    for at in range(0, len(text), _DEPTH_PIECE):
+        piece = np.frombuffer(text, np.uint8, min(_DEPTH_PIECE, len(text) - at), at)
+        steps = ((piece == 91) | (piece == 123)).astype(np.int32)  # [ {
+        steps -= (piece == 93) | (piece == 125)  # ] }
+        running = np.cumsum(steps, dtype=np.int32)
+        if depth + int(running.max()) > limit:
             raise BodyError(f"Request body nests arrays and objects more than {limit} "
                             "levels deep")
-        children = v.values() if isinstance(v, dict) else v
-        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+        depth += int(running[-1])
 
 
 def _loads(raw: bytes) -> Any:

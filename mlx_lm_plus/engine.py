@@ -401,6 +401,8 @@ class Engine:
         # the processor's pixel arrays, larger than the decoded images):
         # at most --prompt-concurrency; the rest are planned at admission.
         self._image_plans = weakref.WeakSet()
+        self._image_planning = 0  # image plans being made (in the planning lanes)
+        self._image_lock = threading.Lock()
         self.hung = False
         self.exit_process = os._exit
 
@@ -932,20 +934,33 @@ class Engine:
         if self._is_distributed or lm is None:
             return None
         images = request.request_type == "chat" and any(_image_parts(request.messages))
-        # (A model without a processor refuses images here, in planning.)
-        if images and (_own_vision(lm) or (
-                _serves_images(lm)
-                and len(self._image_plans) >= self.cli_args.prompt_concurrency)):
+        if images and _own_vision(lm):
             return None
-        plan = self._build_plan(lm, request, args)
-        constraint = self._constraint(request, lm.tokenizer, plan)
-        planned = Planned(key, plan, constraint, on_disk=self.store.disk_for(key) is not None)
-        if images:
-            # The pixels are in the plan now: the request, which its handler
-            # holds to the end, lets the decoded ones go. (The plan leaves
-            # the set at admission, or when the client's going drops it.)
-            request.images = None
-            self._image_plans.add(planned)
+        # (A model without a processor refuses images here, in planning.)
+        pixels = images and _serves_images(lm)
+        if pixels:
+            with self._image_lock:  # (planning lanes run side by side)
+                if (len(self._image_plans) + self._image_planning
+                        >= self.cli_args.prompt_concurrency):
+                    return None
+                self._image_planning += 1
+        planned = None
+        try:
+            plan = self._build_plan(lm, request, args)
+            constraint = self._constraint(request, lm.tokenizer, plan)
+            planned = Planned(key, plan, constraint,
+                              on_disk=self.store.disk_for(key) is not None)
+        finally:
+            if pixels:
+                with self._image_lock:
+                    self._image_planning -= 1
+                    if planned is not None:
+                        # The pixels are in the plan now: the request, which
+                        # its handler holds to the end, lets the decoded ones
+                        # go. (The plan leaves the set at admission, or when
+                        # the client's going drops it.)
+                        request.images = None
+                        self._image_plans.add(planned)
         return planned
 
     def read_ahead(self, planned: Planned) -> Optional[Future]:
@@ -970,7 +985,8 @@ class Engine:
         if planned is not None:
             # Admitted: no longer one planned ahead, however long something
             # holds it (a sequential request, until it ends).
-            self._image_plans.discard(planned)
+            with self._image_lock:
+                self._image_plans.discard(planned)
         if planned is None or planned.model_key != lm.key:
             self.planned_at_admission += 1
             try:

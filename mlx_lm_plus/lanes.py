@@ -46,7 +46,7 @@ class Lane:
         """fn(*args) on the lane's thread, within `deadline` seconds.
         `still_wanted`, asked every second while waiting: an exception to
         give up with (the engine went down, say), or None."""
-        job = self._submit(fn, args)
+        job = self._submit(fn, args, deadline / 4)
         waiting = asyncio.wrap_future(job)
         # (Its outcome is read even when nobody waits for it any more.)
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -66,13 +66,13 @@ class Lane:
                 if error is not None:
                     raise error
         except BaseException:
-            # (A job not started yet is dropped, now; a running one ends on
-            # its own.)
-            job.cancel()
+            # (A job not started yet is dropped now, and holds no place; a
+            # running one ends on its own.)
+            self._drop(job)
             waiting.cancel()
             raise
 
-    def _submit(self, fn, args) -> concurrent.futures.Future:
+    def _submit(self, fn, args, slow: float) -> concurrent.futures.Future:
         job = concurrent.futures.Future()
         with self._cond:
             if self.max_held is not None and self.held >= self.max_held:
@@ -80,10 +80,27 @@ class Lane:
                                f"{self.name} (at most {self.max_held})")
             self.held += 1
             self._jobs.append((job, fn, args))
-            if self._idle == 0 and not self._started:
-                self._add_thread()
+            try:
+                if self._idle == 0 and not self._started:
+                    self._add_thread()
+                else:
+                    self._spare_for_slow_jobs(slow)
+            except RuntimeError as e:  # (no thread could be started)
+                self._jobs.pop()
+                self.held -= 1
+                raise LaneBusy(f"Server busy: no thread for {self.name}: {e}") from e
             self._cond.notify()
         return job
+
+    def _drop(self, job: concurrent.futures.Future) -> None:
+        """Cancel `job`; one not started leaves the queue and its place."""
+        with self._cond:
+            if job.cancel():
+                for i, queued in enumerate(self._jobs):
+                    if queued[0] is job:
+                        del self._jobs[i]
+                        self.held -= 1
+                        break
 
     def _spare_for_slow_jobs(self, slow: float) -> None:
         """Jobs wait while every thread runs one that has run over `slow`
@@ -93,13 +110,21 @@ class Lane:
             if (self._jobs and not self._idle and len(self._started) <= MAX_SPARE
                     and all(t is not None and now - t > slow
                             for t in self._started.values())):
-                self._add_thread()
+                try:
+                    self._add_thread()
+                except RuntimeError:  # (the running threads go on)
+                    pass
 
     def _add_thread(self) -> None:
+        """(Holding the lock.) RuntimeError: no thread could be started."""
         thread = threading.Thread(target=self._work, name=f"mlx_lm_plus-{self.name}",
                                   daemon=True)
         self._started[thread] = None
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            del self._started[thread]
+            raise
 
     def _work(self) -> None:
         me = threading.current_thread()

@@ -7,6 +7,7 @@ with upstream's TextStateMachine, and says when a streaming chunk is due.
 Both are plain objects with no I/O, so the shapes are testable alone.
 """
 
+import collections
 import json
 import logging
 import re
@@ -125,11 +126,21 @@ def _entry_of(top: tuple, token) -> dict:
     return next((t for t in top if t["id"] == token), top[0])
 
 
+# partial_json reads at most this much text, and tries closing it at its
+# last few places only: a client's text (a Responses function_call item
+# replayed incomplete) or a model's long call must cost linear time.
+PARTIAL_JSON_CHARS = 256 << 10
+PARTIAL_JSON_TRIES = 8
+
+
 def partial_json(text: str) -> Any:
     """The value a cut-off JSON text had so far: an open string closed, an
     unfinished member or item dropped, open arrays and objects closed
-    (None: not even that parses)."""
-    stack, in_string, escaped, cuts = [], False, False, []
+    (None: not even that parses, or the text is over PARTIAL_JSON_CHARS)."""
+    if len(text) > PARTIAL_JSON_CHARS:
+        return None
+    stack, in_string, escaped = [], False, False
+    cuts = collections.deque(maxlen=PARTIAL_JSON_TRIES)  # (where, closers there)
     for i, c in enumerate(text):
         if in_string:
             if escaped:
@@ -143,19 +154,30 @@ def partial_json(text: str) -> Any:
             in_string = True
         elif c in "{[":
             stack.append("}" if c == "{" else "]")
-            cuts.append((i + 1, "".join(reversed(stack))))
+            cuts.append((i + 1, len(stack)))
         elif c in "}]" and stack:
             stack.pop()
-            cuts.append((i + 1, "".join(reversed(stack))))
+            cuts.append((i + 1, len(stack)))
         elif c == ",":
-            cuts.append((i, "".join(reversed(stack))))
+            cuts.append((i, len(stack)))
     closers = "".join(reversed(stack))
-    candidates = [text + '"' + closers] if in_string and not escaped else []
-    candidates += [text + closers] + [text[:i] + closing for i, closing in reversed(cuts)]
-    for candidate in candidates:
+
+    def candidates():
+        if in_string and not escaped:
+            yield text + '"' + closers
+        yield text + closers
+        for i, depth in reversed(cuts):
+            # (Any cut's open containers are those still open at the end,
+            # or closed later: the first `depth` of them are the same.)
+            yield text[:i] + "".join(reversed(stack[:depth])) if depth <= len(stack) else None
+        yield text[:1] + closers[-1:] if text[:1] in ("{", "[") else None
+
+    for candidate in candidates():
+        if candidate is None:
+            continue
         try:
             return json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     return None
 
@@ -163,22 +185,33 @@ def partial_json(text: str) -> Any:
 @dataclass
 class TruncatedCall:
     """A tool call max_tokens cut off: its name, and its arguments as far as
-    the model wrote them (JSON text that may not parse)."""
+    the model wrote them (JSON text that may not parse; "" if it stopped
+    before them)."""
 
     name: str
     arguments: str
 
     @classmethod
-    def of(cls, tool_text: str) -> Optional["TruncatedCall"]:
+    def of(cls, tool_text: str, names=()) -> Optional["TruncatedCall"]:
         """From the text of a <tool_call> in the JSON format ({"name": ...,
-        "arguments": ...}) that was cut off; None: not that format, or cut
-        before its name."""
-        head = partial_json(tool_text.strip())
-        name = head.get("name") if isinstance(head, dict) else None
-        at = re.search(r'"arguments"\s*:\s*', tool_text)
-        if not isinstance(name, str) or at is None or not name:
+        "arguments": ...}) that was cut off; `names`: the tools'. A name cut
+        off too is the one tool it begins (else as written). None: not that
+        format, or cut before any of the name."""
+        head = re.match(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', tool_text)
+        if head is None or not head.group(1):
+            if len(names) == 1 and '{"name": "'.startswith(tool_text.strip()[:10]):
+                return cls(names[0], "")  # (cut in the call's opening)
             return None
-        return cls(name, tool_text[at.end():].rstrip())
+        try:
+            name = json.loads(f'"{head.group(1)}"')
+        except ValueError:
+            return None
+        if not head.group(2):
+            matches = [n for n in names if n.startswith(name)]
+            name = matches[0] if len(matches) == 1 else name
+        at = re.search(r'"arguments"\s*:\s*', tool_text[head.end():])
+        arguments = tool_text[head.end() + at.end():].rstrip() if at is not None else ""
+        return cls(name, arguments)
 
 
 class ToolCalls:
@@ -202,7 +235,7 @@ class ToolCalls:
                 continue
             try:
                 parsed = self._parser(text, self._tools)
-            except (ValueError, json.JSONDecodeError) as e:
+            except (ValueError, RecursionError) as e:
                 logging.warning(f"Failed to parse tool call ({type(e).__name__}: {e})")
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
@@ -305,9 +338,12 @@ class CompletionAssembler:
             raw, self.tool_text = self.tool_text, ""
             call = raw
             if self.finish_reason == "length" and not self._parses(raw):
-                call = TruncatedCall.of(raw)
+                call = TruncatedCall.of(raw, self._tool_names())
             if call is None:
-                self.text += raw
+                # (Not the JSON call format, or cut before any of its name:
+                # that much of the call's opening is no call, and no text.)
+                if not '{"name": "'.startswith(raw.strip()[:10]):
+                    self.text += raw
             else:
                 self.tool_calls.append(call)
                 self.made_tool_call = True
@@ -318,5 +354,13 @@ class CompletionAssembler:
         try:
             self.ctx.tool_parser(tool_text, self.tools)
             return True
-        except (ValueError, json.JSONDecodeError):
+        except (ValueError, RecursionError):
             return False
+
+    def _tool_names(self) -> List[str]:
+        names = []
+        for tool in self.tools or ():
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                names.append(function["name"])
+        return names

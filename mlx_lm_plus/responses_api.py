@@ -51,7 +51,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .responses import partial_json
-from .validation import RequestError, check_item_count, parse_request
+from .validation import (
+    FOREIGN_ENFORCEMENT,
+    RequestError,
+    check_item_count,
+    parse_request,
+    refuse_foreign_enforcement,
+)
 from .wire import Completion, Exchange, WireProtocol, chat_content, sse
 
 RESPONSES = "/v1/responses"
@@ -487,6 +493,8 @@ def _tool_choice(choice, tools) -> Any:
                                "'name': ...}")
         names = {t["name"] for t in allowed}
         every = {t["function"]["name"] for t in tools or ()}
+        if mode == "required" and not names:
+            raise RequestError("tool_choice: allowed_tools 'required' needs function tools")
         if not names <= every:
             raise RequestError(f"tool_choice.tools: no function tool named "
                                f"{sorted(names - every)[0]!r} in tools")
@@ -582,6 +590,7 @@ class ResponsesRequest:
     history: List[Dict[str, Any]]
     store: bool
     tools: List[dict] = field(default_factory=list)
+    carried_bytes: int = 0  # the stored conversation continued (its size)
 
 
 def to_chat_body(body: Any, store: ResponseStore,
@@ -593,6 +602,9 @@ def to_chat_body(body: Any, store: ResponseStore,
     instructions = _check(body, "instructions", str, "a string")
     stored = _check(body, "store", bool, "a boolean", True)
     previous_id = _check(body, "previous_response_id", str, "a string")
+    refuse_foreign_enforcement(body, ("response_format", *FOREIGN_ENFORCEMENT),
+                               "text.format ({'type': 'json_schema', 'name': ..., "
+                               "'schema': {...}})")
     if body.get("conversation") is not None:
         raise RequestError("conversation: conversations are not supported by this server; "
                     "use previous_response_id")
@@ -628,11 +640,12 @@ def to_chat_body(body: Any, store: ResponseStore,
     reasoning, thinking = _reasoning(body.get("reasoning"))
 
     history: List[dict] = []
+    carried = 0
     if previous_id is not None:
         previous = store.get(previous_id)
         if previous is None:
             raise not_found(previous_id)
-        history = previous.messages()
+        history, carried = previous.messages(), previous.size
     if "input" not in body and previous_id is None:
         raise RequestError("input: required (a string or a list of input items)")
     new, _ = to_messages(body.get("input"), _call_ids(history))
@@ -688,7 +701,7 @@ def to_chat_body(body: Any, store: ResponseStore,
         "safety_identifier": body.get("safety_identifier"),
         "background": False,
     }
-    return chat, ResponsesRequest(echo, history, stored, echo_tools)
+    return chat, ResponsesRequest(echo, history, stored, echo_tools, carried)
 
 
 # -- the protocol --
@@ -746,6 +759,7 @@ class ResponsesProtocol(WireProtocol):
         extra.echo["temperature"] = parsed.args.sampling.temperature
         extra.echo["top_p"] = parsed.args.sampling.top_p
         parsed.extra = extra
+        parsed.carried_bytes = extra.carried_bytes
         if count_only:
             parsed.request.count_only = True
             parsed.stream = False
@@ -783,6 +797,7 @@ class ResponsesExchange(Exchange):
         self._seq = 0
         self._started = False
         self._finished: Optional[dict] = None  # the response once it ended, to store
+        self.keeps_answer = store is not None and request.store
         self.reasoning_chunks = 0
 
     # -- shapes --
@@ -904,9 +919,15 @@ class ResponsesExchange(Exchange):
 
     def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> bytes:
         self._started = True
-        snapshot = self.response("in_progress")
-        return (self._event("response.created", response=snapshot)
-                + self._event("response.in_progress", response=snapshot))
+        # The snapshot (echoing the request's tools, megabytes of them for
+        # some clients) is written once for both events, on the event loop.
+        snapshot = json.dumps(self.response("in_progress"), ensure_ascii=False)
+        out = b""
+        for kind in ("response.created", "response.in_progress"):
+            head = json.dumps({"type": kind, "sequence_number": self._seq})
+            self._seq += 1
+            out += f'event: {kind}\ndata: {head[:-1]}, "response": {snapshot}}}\n\n'.encode()
+        return out
 
     def delta(self, text, tool_calls, reasoning) -> bytes:
         out = b""
@@ -942,13 +963,22 @@ class ResponsesExchange(Exchange):
         return self._end(completion)[2]
 
     def stream_error(self, message: str, status: int) -> bytes:
-        out = b"" if self._started else self.start()
-        if self._open is not None:
-            self.output[-1]["status"] = "incomplete"
-            self._open = None
         code = FAILED_CODES.get(status, "server_error")
-        response = self.response("failed", error={"code": code, "message": message})
-        return out + self._event("response.failed", response=response)
+        error = {"code": code, "message": message}
+        try:
+            out = b"" if self._started else self.start()
+            if self._open is not None:
+                self.output[-1]["status"] = "incomplete"
+                self._open = None
+            return out + self._event("response.failed",
+                                     response=self.response("failed", error=error))
+        except Exception:
+            # What failed may be the response itself (its echo): the event
+            # then says only what the error is.
+            logging.exception("Could not write a failed response in full")
+            return self._event("response.failed", response={
+                "id": self.id, "object": "response", "created_at": self.created_at,
+                "status": "failed", "error": error, "output": []})
 
     def count_body(self, input_tokens: int) -> Dict[str, Any]:
         return {"object": "response.input_tokens", "input_tokens": input_tokens}
@@ -963,4 +993,4 @@ class ResponsesExchange(Exchange):
             self.store.put(response, messages)
         except Exception:
             # The answer stands; only a continuation of it will not find it.
-            logging.exception(f"Could not store response {response.get('id')}")
+            logging.exception(f"Could not store response ...{str(response.get('id'))[-6:]}")

@@ -63,6 +63,10 @@ class ParsedRequest:
     # What a wire protocol other than chat completions keeps from its own
     # request for its answer (wire.py).
     extra: Any = None
+    # Bytes of conversation the request brings beyond its body (a Responses
+    # continuation's stored one): what picks its planning lane, with the
+    # body's size.
+    carried_bytes: int = 0
 
 
 def _validate(params, name, expected_type, min_val=None, max_val=None,
@@ -375,15 +379,21 @@ FOREIGN_ENFORCEMENT = ("guided_json", "guided_regex", "guided_choice", "guided_g
                        "grammar")
 
 
+def refuse_foreign_enforcement(body: Dict[str, Any], names=FOREIGN_ENFORCEMENT,
+                               instead: str = "response_format ({'type': 'json_schema', "
+                               "'json_schema': {'name': ..., 'schema': {...}}})") -> None:
+    """RequestError for the first of `names` the body sets (empty values
+    ask for nothing)."""
+    for name in names:
+        if body.get(name) not in (None, "", [], {}):
+            raise RequestError(f"{name} is not supported by this server: use {instead}, "
+                               "tool_choice or strict tools, which are enforced")
+
+
 def _structured_output(request: Request, body: Dict[str, Any]) -> None:
     """response_format (both endpoints) and tool_choice (chat), by shape;
     the schemas themselves are compiled by constraints.py."""
-    for name in FOREIGN_ENFORCEMENT:
-        if body.get(name) is not None:
-            raise RequestError(
-                f"{name} is not supported by this server: use response_format "
-                "({'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}), "
-                "tool_choice or strict tools, which are enforced")
+    refuse_foreign_enforcement(body)
     response_format = body.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict):

@@ -49,6 +49,9 @@ class Exchange:
     def stream_error(self, message: str, status: int) -> bytes:
         raise NotImplementedError
 
+    # Whether `save` has anything to do for this answer.
+    keeps_answer: bool = False
+
     def save(self) -> None:
         """Keep what the protocol keeps of a finished answer (Responses:
         the stored response). Called once `finish` or `body` returned,

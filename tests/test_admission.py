@@ -359,3 +359,57 @@ def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
         assert firsts.index("long") < firsts.index("s2"), firsts
     finally:
         runner.close()
+
+
+def _wave_steps(fixture_path, monkeypatch, arriving: bool, gap: float):
+    """Submit A, then B `gap` seconds later, the HTTP side saying (or not)
+    that a request is still on its way while A is admitted: the batch steps
+    that ran between A's admission and B's."""
+    import threading
+    import time
+
+    from mlx_lm_plus import engine as engine_module
+    from tests.engine_harness import EngineRunner
+
+    runner = EngineRunner(fixture_path("qwen3_5"))
+    events = []
+    insert, step = engine_module._Batch.insert, engine_module._Batch.step
+
+    def recording_insert(self, admission):
+        events.append("insert")
+        return insert(self, admission)
+
+    def recording_step(self):
+        worked = step(self)
+        if worked:
+            events.append("step")
+        return worked
+
+    monkeypatch.setattr(engine_module._Batch, "insert", recording_insert)
+    monkeypatch.setattr(engine_module._Batch, "step", recording_step)
+    try:
+        runner.loaded
+        runner.run({"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2})
+        coming = [1 if arriving else 0]
+        runner.engine.arrivals = lambda: coming[0]
+        events.clear()
+        first = runner.submit({"messages": [{"role": "user", "content": "first of two"}]})
+        time.sleep(gap)
+        second = runner.submit({"messages": [{"role": "user", "content": "second of two"}]})
+        coming[0] = 0
+        first.result(), second.result()
+        threading.Event().wait(0.01)
+        a, b = [i for i, e in enumerate(events) if e == "insert"][:2]
+        return events[a:b].count("step")
+    finally:
+        runner.close()
+
+
+def test_requests_sent_together_share_one_prefill_wave(fixture_path, monkeypatch):
+    """Found in review: the first of a burst was admitted alone and the rest
+    waited for its prefill. While the HTTP side is still planning requests
+    (Engine.arrivals), the wave's first step waits for them, briefly; with
+    none on their way it doesn't (the control: there a step runs between
+    the two admissions, so the check can fail)."""
+    assert _wave_steps(fixture_path, monkeypatch, arriving=True, gap=0.003) == 0
+    assert _wave_steps(fixture_path, monkeypatch, arriving=False, gap=0.03) >= 1

@@ -121,6 +121,9 @@ CASES = [
     ("messages tool_choice tool", "/v1/messages",
      message(tools=MESSAGES_TOOLS, tool_choice={"type": "tool", "name": "get_time"}),
      ("calls", a_call({"get_time"}))),
+    *[(f"messages {field}", "/v1/messages", message(**{field: value}), "refused")
+      for field, value in [("response_format", {"type": "json_object"}),
+                           ("guided_json", SCHEMA)]],
     ("messages a server tool", "/v1/messages",
      message(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "refused"),
     # OpenAI Responses
@@ -151,6 +154,14 @@ CASES = [
                                                   "tools": [{"type": "function",
                                                              "name": "get_time"}]}),
      "refused"),
+    ("responses allowed_tools required, no tools", "/v1/responses",
+     response(tool_choice={"type": "allowed_tools", "mode": "required", "tools": []}),
+     "refused"),
+    *[(f"responses {field}", "/v1/responses", response(**{field: value}), "refused")
+      for field, value in [("response_format", {"type": "json_object"}),
+                           ("guided_json", SCHEMA)]],
+    ("chat an empty grammar asks for nothing", "/v1/chat/completions",
+     chat(grammar="", max_tokens=2), ("text", lambda text: None)),
     ("responses a custom tool", "/v1/responses",
      response(tools=[{"type": "custom", "name": "patch", "format": {"type": "text"}}]),
      "refused"),

@@ -99,3 +99,35 @@ def test_text_chunk_is_the_response_serialized(text):
         builder = ResponseBuilder("chatcmpl-1", object_type, 'm"o\u00e9', 7, "fp", True)
         assert builder.text_chunk(text) == (
             f"data: {json.dumps(builder.response(text, None))}\n\n".encode())
+
+
+def test_partial_json_of_what_was_cut_off():
+    from mlx_lm_plus.responses import PARTIAL_JSON_CHARS, partial_json
+
+    assert partial_json('{"city": "Pa') == {"city": "Pa"}
+    assert partial_json('{"city": "Paris", "days": [1, 2') == {"city": "Paris", "days": [1, 2]}
+    assert partial_json('{"a": {"b": tr') == {"a": {}}
+    assert partial_json('[{"a": 1, "b": 2}, [3, 4') == [{"a": 1, "b": 2}, [3, 4]]
+    assert partial_json('{"a": "x\\') == {}  # (cut in an escape: the member goes)
+    assert partial_json("nonsense") is None
+    # Found in review: every place a cut could go was built and tried
+    # (quadratic: a 120 KB text took 5 GB and 10 s), and deep nesting raised
+    # RecursionError (a 500). Now a few places are tried, in linear time.
+    assert partial_json('{"a": x, "b": [' + "1," * 100_000) == {}
+    assert partial_json("[" * 3000) == []
+    assert partial_json('{"values": [' + "12, " * 60_000)["values"][:2] == [12, 12]
+    assert partial_json("[" + " " * PARTIAL_JSON_CHARS) is None
+
+
+def test_a_cut_off_call_keeps_its_name():
+    from mlx_lm_plus.responses import TruncatedCall
+
+    names = ["get_weather", "get_time"]
+    call = TruncatedCall.of('\n{"name": "get_weather", "arguments": {"city": "Ro', names)
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Ro')
+    # Cut in the name: the one tool it begins; before the arguments: none.
+    assert TruncatedCall.of('\n{"name": "get_wea', names) == TruncatedCall("get_weather", "")
+    assert TruncatedCall.of('\n{"name": "get_', names).name == "get_"
+    # Cut before any of the name: the only tool, else no call.
+    assert TruncatedCall.of('\n{"na', ["add"]) == TruncatedCall("add", "")
+    assert TruncatedCall.of('\n{"na', names) is None

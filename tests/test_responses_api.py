@@ -259,6 +259,20 @@ def test_stats_do_not_give_stored_response_ids_away(server, client):
     assert client.responses.retrieve(r.id).id == r.id
 
 
+def test_a_replayed_cut_off_call_is_served(server):
+    """A function_call item replayed with status incomplete (a call
+    max_tokens cut off) goes back as far as its arguments parse; found in
+    review: arguments nesting deeper than Python recurses were a 500."""
+    for arguments in ('{"city": "Pa', "[" * 3000, '{"a": x, "b": [' + "1," * 20_000):
+        status, r = server.post("/v1/responses", {
+            "model": "m", "max_output_tokens": 2, "input": [
+                {"type": "message", "role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                 "arguments": arguments, "status": "incomplete"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+        assert status == 200, r
+
+
 def test_function_call_round_trip(server, client):
     """A tool result answered: the same prompt as chat completions' tool
     messages."""
