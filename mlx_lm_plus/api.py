@@ -169,6 +169,7 @@ class Server:
         # holds up the others (lanes.py).
         self._planner = Lane("planning")
         self._planner_large = Lane("planning large requests")
+        self._counter = Lane("counting tokens")
         self._constraints = Lane("constraints")
         self._constraints_large = Lane("large constraints", LARGE_LANE_HELD)
         self._planning_timeout = getattr(cli_args, "planning_timeout", 60.0)
@@ -855,6 +856,7 @@ class Server:
                 parsed.stream,
                 parsed.args.logprobs,
                 parsed.args.top_logprobs,
+                forced_tool=_forced_tool(parsed.request),
             )
             track.accepted(ctx, assembler)
             if parsed.stream:
@@ -874,15 +876,12 @@ class Server:
         count = getattr(self.engine, "count_prompt", None)
         if count is None:
             return None
+        # (As planning, in a lane of its own: nothing that waits on a plan
+        # waits on a count; the pixel arrays of images with the large plans.)
+        lane = self._counter if parsed.request.images is None else self._planner_large
         try:
-            if parsed.request.images is None:
-                # (As planning, but for nothing that waits on it: beside it.)
-                n = await asyncio.get_running_loop().run_in_executor(
-                    None, count, parsed.request, parsed.args)
-            else:  # (the pixel arrays: one image request at a time, with plans)
-                n = await self._planner_large.run(
-                    count, parsed.request, parsed.args, deadline=self._planning_timeout,
-                    still_wanted=self._engine_down)
+            n = await lane.run(count, parsed.request, parsed.args,
+                               deadline=self._planning_timeout, still_wanted=self._engine_down)
         except PromptError as e:
             return self.error(request, str(e), 400)
         except (LaneBusy, EngineUnavailable) as e:
@@ -894,7 +893,8 @@ class Server:
     async def _exchange(self, request, channel, ctx, parsed, exchange, track, opened):
         """A wire protocol's answer (wire.py): the same events as chat
         completions, written by the protocol's Exchange."""
-        assembler = CompletionAssembler(ctx, parsed.request.tools, True, False, 0)
+        assembler = CompletionAssembler(ctx, parsed.request.tools, True, False, 0,
+                                        forced_tool=_forced_tool(parsed.request))
         track.accepted(ctx, assembler)
         if parsed.request.count_only:
             while await channel.get() is not None:
@@ -1183,6 +1183,12 @@ class _Tracker:
             elif r.status != 200:
                 r.finish_reason = "error"
         return r
+
+
+def _forced_tool(req) -> Optional[str]:
+    """The function tool_choice names, if it names one."""
+    choice = req.tool_choice
+    return choice["function"]["name"] if isinstance(choice, dict) else None
 
 
 def _may_constrain(req) -> bool:

@@ -194,12 +194,13 @@ class TruncatedCall:
     @classmethod
     def of(cls, tool_text: str, names=()) -> Optional["TruncatedCall"]:
         """From the text of a <tool_call> in the JSON format ({"name": ...,
-        "arguments": ...}) that was cut off; `names`: the tools'. A name cut
-        off too is the one tool it begins (else as written). None: not that
-        format, or cut before any of the name."""
+        "arguments": ...}) that was cut off; `names`: those the call may
+        have (the tools', or the one tool_choice forced). A name cut off
+        too is the one of them it begins. None: not that format, or no one
+        name to give it."""
         head = re.match(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)("?)', tool_text)
         if head is None or not head.group(1):
-            if len(names) == 1 and '{"name": "'.startswith(tool_text.strip()[:10]):
+            if len(names) == 1 and is_call_opening(tool_text):
                 return cls(names[0], "")  # (cut in the call's opening)
             return None
         try:
@@ -208,10 +209,18 @@ class TruncatedCall:
             return None
         if not head.group(2):
             matches = [n for n in names if n.startswith(name)]
-            name = matches[0] if len(matches) == 1 else name
+            if len(matches) != 1:
+                return None  # (no tool, or several: no call to name)
+            name = matches[0]
         at = re.search(r'"arguments"\s*:\s*', tool_text[head.end():])
         arguments = tool_text[head.end() + at.end():].rstrip() if at is not None else ""
         return cls(name, arguments)
+
+
+def is_call_opening(tool_text: str) -> bool:
+    """Whether `tool_text` is no more than the start of a JSON call's
+    opening ({"name": "), whatever its spaces."""
+    return '{"name":"'.startswith(re.sub(r"\s", "", tool_text))
 
 
 class ToolCalls:
@@ -239,8 +248,13 @@ class ToolCalls:
                 logging.warning(f"Failed to parse tool call ({type(e).__name__}: {e})")
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
+                # (Whatever JSON the model wrote: a call needs a name, and
+                # its arguments may be left out, as for a tool that takes none.)
+                if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                    logging.warning(f"A tool call without a name: {str(call)[:200]}")
+                    continue
                 out.append(self._call(call["name"], json.dumps(
-                    call["arguments"], ensure_ascii=False), call.get("id")))
+                    call.get("arguments", {}), ensure_ascii=False), call.get("id")))
         return out
 
     def _call(self, name: str, arguments: str, call_id) -> dict:
@@ -276,6 +290,9 @@ class CompletionAssembler:
     tokens: List[int] = field(default_factory=list)
     token_logprobs: List[float] = field(default_factory=list)
     top_tokens: List[tuple] = field(default_factory=list)
+    # The function tool_choice forces, if one is (a call cut off in its
+    # name is that one's).
+    forced_tool: Optional[str] = None
 
     def __post_init__(self):
         self._sm = self.ctx.text_sm.make_state(self.ctx.initial_state)
@@ -340,9 +357,9 @@ class CompletionAssembler:
             if self.finish_reason == "length" and not self._parses(raw):
                 call = TruncatedCall.of(raw, self._tool_names())
             if call is None:
-                # (Not the JSON call format, or cut before any of its name:
-                # that much of the call's opening is no call, and no text.)
-                if not '{"name": "'.startswith(raw.strip()[:10]):
+                # (Not the JSON call format, or no one name to give it:
+                # the call's opening alone is no call, and no text.)
+                if not is_call_opening(raw):
                     self.text += raw
             else:
                 self.tool_calls.append(call)
@@ -358,6 +375,9 @@ class CompletionAssembler:
             return False
 
     def _tool_names(self) -> List[str]:
+        """The names a call may have: the forced tool's, else the tools'."""
+        if self.forced_tool is not None:
+            return [self.forced_tool]
         names = []
         for tool in self.tools or ():
             function = tool.get("function") if isinstance(tool, dict) else None

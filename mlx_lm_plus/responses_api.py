@@ -50,7 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .responses import partial_json
+from .responses import PARTIAL_JSON_CHARS, partial_json
 from .validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
@@ -58,7 +58,7 @@ from .validation import (
     parse_request,
     refuse_foreign_enforcement,
 )
-from .wire import Completion, Exchange, WireProtocol, chat_content, sse
+from .wire import Completion, Exchange, WireProtocol, chat_content, json_bytes, sse
 
 RESPONSES = "/v1/responses"
 INPUT_TOKENS = "/v1/responses/input_tokens"
@@ -293,6 +293,9 @@ class _Conversation:
         self.call_ids = set(call_ids)
         self._turn: Optional[dict] = None
         self._phase = -1
+        # Characters of cut-off arguments read back (partial_json) in all:
+        # one request's worth, however many items bring some.
+        self._partial_budget = PARTIAL_JSON_CHARS
 
     def _assistant(self, phase: str) -> dict:
         p = self.PHASES[phase]
@@ -360,8 +363,11 @@ class _Conversation:
             raise RequestError(f"{at}.arguments: must be a string (JSON text)")
         if item.get("status") == "incomplete" and not _parses(arguments):
             # A call max_tokens cut off: templates take arguments as JSON,
-            # so as far as they parse (responses.partial_json).
-            arguments = json.dumps(partial_json(arguments) or {}, ensure_ascii=False)
+            # so as far as they parse (responses.partial_json), within the
+            # request's budget (past it: none).
+            read = partial_json(arguments) if len(arguments) <= self._partial_budget else None
+            self._partial_budget = max(0, self._partial_budget - len(arguments))
+            arguments = json.dumps(read or {}, ensure_ascii=False)
         if arguments.strip():
             try:
                 json.loads(arguments)
@@ -921,12 +927,13 @@ class ResponsesExchange(Exchange):
         self._started = True
         # The snapshot (echoing the request's tools, megabytes of them for
         # some clients) is written once for both events, on the event loop.
-        snapshot = json.dumps(self.response("in_progress"), ensure_ascii=False)
+        snapshot = json_bytes(self.response("in_progress"))
         out = b""
-        for kind in ("response.created", "response.in_progress"):
-            head = json.dumps({"type": kind, "sequence_number": self._seq})
-            self._seq += 1
-            out += f'event: {kind}\ndata: {head[:-1]}, "response": {snapshot}}}\n\n'.encode()
+        for seq, kind in enumerate(("response.created", "response.in_progress"), self._seq):
+            head = json.dumps({"type": kind, "sequence_number": seq})[:-1].encode()
+            out += (b"event: " + kind.encode() + b"\ndata: " + head + b', "response": '
+                    + snapshot + b"}\n\n")
+        self._seq += 2
         return out
 
     def delta(self, text, tool_calls, reasoning) -> bytes:
@@ -974,11 +981,16 @@ class ResponsesExchange(Exchange):
                                      response=self.response("failed", error=error))
         except Exception:
             # What failed may be the response itself (its echo): the event
-            # then says only what the error is.
+            # then says what the error is, with the Response's required
+            # fields at their defaults.
             logging.exception("Could not write a failed response in full")
+            model = self.request.echo.get("model")
             return self._event("response.failed", response={
                 "id": self.id, "object": "response", "created_at": self.created_at,
-                "status": "failed", "error": error, "output": []})
+                "status": "failed", "error": error, "incomplete_details": None,
+                "output": [], "model": model if isinstance(model, str) else "",
+                "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
+                "instructions": None, "metadata": {}, "temperature": None, "top_p": None})
 
     def count_body(self, input_tokens: int) -> Dict[str, Any]:
         return {"object": "response.input_tokens", "input_tokens": input_tokens}

@@ -97,6 +97,16 @@ def chat_content(parts: List[dict]):
     return parts
 
 
+def json_bytes(data: Any) -> bytes:
+    """UTF-8 JSON: non-ASCII as it is, unless a lone surrogate (which a
+    client may send in any string, and a stream echoes) makes that
+    impossible: then escaped, as json.dumps does by default."""
+    try:
+        return json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(data).encode()
+
+
 def sse(event: str, data: Dict[str, Any]) -> bytes:
     """One named server-sent event."""
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + json_bytes(data) + b"\n\n"

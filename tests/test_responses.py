@@ -126,8 +126,26 @@ def test_a_cut_off_call_keeps_its_name():
     call = TruncatedCall.of('\n{"name": "get_weather", "arguments": {"city": "Ro', names)
     assert (call.name, call.arguments) == ("get_weather", '{"city": "Ro')
     # Cut in the name: the one tool it begins; before the arguments: none.
+    # Found in review: a prefix of several tools came back as a call named
+    # "get_", which no tool is; now no call (the forced one's name, where
+    # tool_choice forces one: the assembler passes that one alone).
     assert TruncatedCall.of('\n{"name": "get_wea', names) == TruncatedCall("get_weather", "")
-    assert TruncatedCall.of('\n{"name": "get_', names).name == "get_"
-    # Cut before any of the name: the only tool, else no call.
+    assert TruncatedCall.of('\n{"name": "get_', names) is None
+    assert TruncatedCall.of('\n{"name": "get_', ["get_time"]) == TruncatedCall("get_time", "")
+    assert TruncatedCall.of('\n{"name": "nope', names) is None
+    # Cut before any of the name (spaced or not): the only tool, else no call.
     assert TruncatedCall.of('\n{"na', ["add"]) == TruncatedCall("add", "")
+    assert TruncatedCall.of('{"name":', ["add"]) == TruncatedCall("add", "")
     assert TruncatedCall.of('\n{"na', names) is None
+
+
+def test_tool_calls_of_any_json_the_model_wrote():
+    """Found in review: a call without arguments (a tool that takes none)
+    or JSON of another shape raised KeyError/TypeError (a 500)."""
+    import json as json_module
+
+    from mlx_lm_plus.responses import ToolCalls
+
+    calls = ToolCalls(lambda text, tools: json_module.loads(text), None)
+    assert [c["function"] for c in calls(['{"name": "f"}'])] == [{"name": "f", "arguments": "{}"}]
+    assert calls(['{"foo": 1}', "[1]", '"abc"', "{"]) == []

@@ -560,6 +560,18 @@ def test_a_forced_call_cut_off_is_returned_as_far_as_it_goes(server, claude, oai
         assert 0 < len(partial) < len(full) and full.startswith(partial), (partial, full)
         assert choice["message"]["content"] is None
 
+    # Cut in the forced tool's name, of a prefix two tools share ("get_"):
+    # the forced one's name, never a made-up one (found in review).
+    names = set()
+    for n in range(6, 12):
+        status, r = post_all(server, [("/v1/chat/completions", chat_body(
+            "Time?", n, tools=TOOLS + [{"type": "function", "function": {
+                "name": "get_time", "parameters": WEATHER}}],
+            tool_choice={"type": "function", "function": {"name": "get_time"}}))])[0]
+        names |= {c["function"]["name"] for c in r["choices"][0]["message"].get("tool_calls") or ()}
+        assert r["choices"][0]["message"]["content"] is None, r  # (no markup as text)
+    assert names == {"get_time"}
+
     # Responses: the function_call item, incomplete; the response incomplete.
     for stream in (False, True):
         kw = dict(model="m", max_output_tokens=25, reasoning={"effort": "none"},
