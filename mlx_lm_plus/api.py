@@ -576,9 +576,7 @@ class Server:
         lane = self._constraints_large if body_bytes > LARGE_LANE_CONSTRAINT_BYTES \
             else self._constraints
         try:
-            req.constraint = await lane.run(self._compile_constraint, req, model,
-                                            deadline=self._planning_timeout,
-                                            still_wanted=self._engine_down)
+            req.constraint = await self._in_lane(lane, self._compile_constraint, req, model)
         except ConstraintError as e:
             raise RequestError(str(e)) from e
 
@@ -614,6 +612,12 @@ class Server:
             warn_once(f"strict tools served unconstrained: {e}")
             return None
 
+    async def _in_lane(self, lane: Lane, fn, *args):
+        """fn(*args) in `lane`, within --planning-timeout, given up if the
+        engine goes down meanwhile."""
+        return await lane.run(fn, *args, deadline=self._planning_timeout,
+                              still_wanted=self._engine_down)
+
     def _engine_down(self) -> Optional[Exception]:
         """What a request waiting in a lane gives up with when the engine
         went down meanwhile (None: it is up)."""
@@ -633,9 +637,8 @@ class Server:
         size = body_bytes + parsed.carried_bytes
         lane = self._planner_large if size > LARGE_LANE_PLAN_BYTES else self._planner
         try:
-            planned = parsed.request.planned = await lane.run(
-                plan, parsed.request, parsed.args, deadline=self._planning_timeout,
-                still_wanted=self._engine_down)
+            planned = parsed.request.planned = await self._in_lane(
+                lane, plan, parsed.request, parsed.args)
         except PromptError as e:
             raise RequestError(str(e)) from e
         except (LaneBusy, EngineUnavailable):
@@ -880,8 +883,7 @@ class Server:
         # waits on a count; the pixel arrays of images with the large plans.)
         lane = self._counter if parsed.request.images is None else self._planner_large
         try:
-            n = await lane.run(count, parsed.request, parsed.args,
-                               deadline=self._planning_timeout, still_wanted=self._engine_down)
+            n = await self._in_lane(lane, count, parsed.request, parsed.args)
         except PromptError as e:
             return self.error(request, str(e), 400)
         except (LaneBusy, EngineUnavailable) as e:

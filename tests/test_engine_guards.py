@@ -331,6 +331,7 @@ async def test_a_handler_waits_for_the_read_ahead_of_its_entry_by_another():
 
     server = types.SimpleNamespace(engine=engine, _planner=Lane("planning"),
                                    _planning_timeout=60.0, _engine_down=lambda: None)
+    server._in_lane = lambda *a: Server._in_lane(server, *a)
     parsed = types.SimpleNamespace(request=types.SimpleNamespace(count_only=False), args=None,
                                    carried_bytes=0)
     threading.Timer(0.3, reading.set_result, (True,)).start()
