@@ -457,6 +457,14 @@ def strips_billing_header() -> bool:
     return "strip_billing_header" in inspect.signature(to_chat_body).parameters
 
 
+def keeps_billing_header() -> bool:
+    """Whether this server strips the billing header by default (and has
+    --keep-billing-header not to)."""
+    from mlx_lm_plus.server import OUR_FLAGS
+
+    return "--keep-billing-header" in OUR_FLAGS
+
+
 def api_form(api: str, messages: List[dict], tools: List[dict], strip: bool = False):
     """(messages, tools) as the server gets them from this API's body: the
     API module's own translation (`to_chat_body` of mlx_lm_plus.anthropic_api
@@ -621,6 +629,8 @@ def measure(model: str, tokenizer=None, apis: Sequence[str] = ("messages", "resp
             label += " +volatile" if vol else ""
             log = log_dir / (label.replace(" ", "_").replace("/", "_") + ".log")
             args = ["--model", model] + (["--strip-billing-header"] if strip else [])
+            if api == "messages" and not strip and command is OURS and keeps_billing_header():
+                args.append("--keep-billing-header")  # (the default strips it)
             with ServerProcess(command, args, log=log) as server:
                 try:
                     results[label] = summary(run_api(server, api, tokenizer, requests,

@@ -63,8 +63,12 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 # output_config.effort, when `thinking` is not given: the lowest effort
 # skips thinking, the others think.
 THINKING_BY_EFFORT = {"low": False, "medium": True, "high": True, "max": True}
-# Claude Code's attribution line: a hash that changes with every request, in
-# the first system block, so no prefix of the prompt is ever seen twice.
+# Claude Code's attribution line, in the first system block: billing metadata
+# for Anthropic's servers, nothing a local model needs. Its text differs
+# between sessions (2.1.197: `cc_version=2.1.197.6e2; cc_entrypoint=sdk-cli;`,
+# the same for a whole session) and in earlier versions between requests (a
+# `cch=` hash), so kept, no session's prompt is reused by the next. Removed
+# by default (--keep-billing-header keeps it).
 BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 
 
@@ -218,9 +222,11 @@ def _system_text(blocks, where: str, strip_billing_header: bool) -> str:
         if strip_billing_header:
             return BILLING_HEADER.sub("", text)
         warn_once("billing header", (
-            "A system prompt starts with Claude Code's x-anthropic-billing-header, which "
-            "changes with every request: the prompt cache can't reuse anything. Start the "
-            "server with --strip-billing-header, or run Claude Code with "
+            "A system prompt starts with Claude Code's x-anthropic-billing-header, kept "
+            "(--keep-billing-header). It differs between Claude Code sessions (and in "
+            "versions before 2.1.19x, whose line carries a cch= hash, between requests): "
+            "the prompt cache can't reuse a system prompt across them. Run without "
+            "--keep-billing-header, or run Claude Code with "
             "CLAUDE_CODE_ATTRIBUTION_HEADER=0."))
     return text
 
@@ -405,7 +411,7 @@ class AnthropicProtocol(WireProtocol):
     paths = (MESSAGES, COUNT_TOKENS)
     prefix = MESSAGES
 
-    def __init__(self, strip_billing_header: bool = False):
+    def __init__(self, strip_billing_header: bool = True):
         self.strip_billing_header = strip_billing_header
 
     def parse(self, path, body, cli, vocab_size):
@@ -464,6 +470,11 @@ class MessagesExchange(Exchange):
         message = self._message([], self._usage(prompt_tokens, cached_tokens, 0))
         return (sse("message_start", {"type": "message_start", "message": message})
                 + sse("ping", {"type": "ping"}))
+
+    def keepalive(self):
+        # An event, not a comment: Anthropic's SDKs drop comments, and Claude
+        # Code's idle timer counts events.
+        return sse("ping", {"type": "ping"})
 
     def _close(self) -> bytes:
         if self._open is None:

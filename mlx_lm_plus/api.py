@@ -81,6 +81,36 @@ OPEN_STREAM = (web.RequestKey("mlx_lm_plus.open_stream", web.StreamResponse)
                if hasattr(web, "RequestKey") else "mlx_lm_plus.open_stream")
 
 
+# What AsyncChannel.get returns when nothing came in time.
+IDLE = object()
+
+# A stream that has sent no frame for this long gets a keepalive (Anthropic:
+# a ping event; chat completions and Responses: an SSE comment): clients give
+# up on a silent stream (Claude Code resent a request whose prefill ran for
+# minutes with a keepalive every ~150 s), and prefill progress alone comes
+# once per prefill step, which takes minutes for a long prompt on a slow
+# machine.
+KEEPALIVE_SECONDS = 10.0
+
+
+class _Pulse:
+    """When a stream's next keepalive is due: KEEPALIVE_SECONDS after the
+    last frame a client's idle timer counts (SSE comments don't count for
+    clients whose parser drops them: Anthropic's SDKs)."""
+
+    def __init__(self):
+        self.last = time.monotonic()
+
+    def wait(self) -> float:
+        return max(0.0, self.last + KEEPALIVE_SECONDS - time.monotonic())
+
+    def due(self) -> bool:
+        return self.wait() == 0.0
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+
 class AsyncChannel(Channel):
     """Thread-safe hand-off from the generation thread to one handler.
 
@@ -120,11 +150,17 @@ class AsyncChannel(Channel):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self):
+    async def get(self, timeout: Optional[float] = None):
+        """The next event; IDLE if none came within `timeout` seconds."""
         while not self._items:
             self._waiter = self._loop.create_future()
             try:
-                await self._waiter
+                if timeout is None:
+                    await self._waiter
+                else:
+                    await asyncio.wait_for(self._waiter, timeout)
+            except asyncio.TimeoutError:
+                return IDLE
             finally:
                 self._waiter = None
         return self._items.popleft()
@@ -834,15 +870,18 @@ class Server:
             return self.unavailable(request, str(e))
 
         try:
-            first = await channel.get()
+            wait = KEEPALIVE_SECONDS if parsed.stream else None
+            first = await channel.get(wait)
             opened = None  # a stream opened before acceptance, for keepalives
-            while isinstance(first, tuple):
-                # Progress before acceptance (images through the vision
-                # tower): a stream gets keepalives, as during prefill.
+            while isinstance(first, tuple) or first is IDLE:
+                # Waiting in the queue, or progress before acceptance (images
+                # through the vision tower): a stream gets keepalives, as
+                # during prefill. (Comments only: a protocol's own events
+                # come after its first frames.)
                 if parsed.stream:
                     opened = opened or await self._open_stream(request)
                     await opened.write(_keepalive(first))
-                first = await channel.get()
+                first = await channel.get(wait)
             if isinstance(first, Exception) and opened is not None:
                 return await self._end_stream(opened, track, str(first), _status_of(first))
             if isinstance(first, EngineUnavailable):
@@ -906,6 +945,7 @@ class Server:
         if parsed.stream:
             response = opened or await self._open_stream(request)
         pending = []  # frames that arrived together go out in one write
+        pulse = _Pulse()
         try:
             if response is not None:
                 await response.write(
@@ -913,12 +953,16 @@ class Server:
             while True:
                 if not channel.ready():
                     await _write_all(response, pending)
-                item = await channel.get()
+                item = await channel.get(pulse.wait() if response is not None else None)
                 if item is None:
                     break
-                if isinstance(item, tuple):
+                if item is IDLE or isinstance(item, tuple):
                     if response is not None:
-                        pending.append(_keepalive(item))
+                        if isinstance(item, tuple):
+                            pending.append(_keepalive(item))
+                        if pulse.due():
+                            pending.append(exchange.keepalive())
+                            pulse.beat()
                     continue
                 if isinstance(item, Exception):
                     status = 503 if isinstance(item, EngineUnavailable) else 500
@@ -934,6 +978,7 @@ class Server:
                     frames = exchange.delta(*assembler.take_delta())
                     if response is not None and frames:
                         pending.append(frames)
+                        pulse.beat()
             await _write_all(response, pending)
             assembler.finish()
             frames = exchange.delta(*assembler.take_delta())
@@ -1026,18 +1071,21 @@ class Server:
         # Events that arrived together (a step's, or while the socket was
         # busy) go out in one write.
         pending = []
+        pulse = _Pulse()
         while True:
             if not channel.ready():
                 await _write_all(response, pending)
-            item = await channel.get()
+            item = await channel.get(pulse.wait())
             if item is None:
                 break
             if isinstance(item, Exception):
                 await _write_all(response, pending)
                 return await self._end_stream(response, track, str(item), 500)
-            if isinstance(item, tuple):
+            if isinstance(item, tuple) or item is IDLE:
                 pending.append(_keepalive(item))
+                pulse.beat()
                 continue
+            pulse.beat()
             if track.first is None:
                 track.first = time.perf_counter()
             try:
@@ -1082,7 +1130,10 @@ def _sse(obj) -> bytes:
 
 
 def _keepalive(progress) -> bytes:
-    """The SSE comment sent for (done, total) prefill progress."""
+    """The SSE comment sent for (done, total) prefill progress, or for a
+    stream that was silent for KEEPALIVE_SECONDS (IDLE)."""
+    if progress is IDLE:
+        return b": keepalive\n\n"
     return f": keepalive {progress[0]}/{progress[1]}\n\n".encode()
 
 

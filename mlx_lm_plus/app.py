@@ -43,7 +43,7 @@ def build(cli_args):
     engine = Engine(model_provider, store)
     server = Server(cli_args, engine, model_provider, get_system_fingerprint())
     engine.arrivals = lambda: server.arriving
-    server.add_protocol(AnthropicProtocol(cli_args.strip_billing_header))
+    server.add_protocol(AnthropicProtocol(not cli_args.keep_billing_header))
     server.add_protocol(ResponsesProtocol(
         max_responses=cli_args.responses_store_size,
         max_bytes=cli_args.responses_store_bytes,

@@ -50,6 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from .logs import warn_once
 from .responses import PARTIAL_JSON_CHARS, partial_json
 from .validation import (
     FOREIGN_ENFORCEMENT,
@@ -357,6 +358,10 @@ class _Conversation:
             raise RequestError(f"{at}.call_id: must be a non-empty string")
         if not isinstance(name, str) or not name:
             raise RequestError(f"{at}.name: must be a non-empty string")
+        namespace = item.get("namespace")
+        if namespace is not None and not isinstance(namespace, str):
+            raise RequestError(f"{at}.namespace: must be a string")
+        name = flat_name(namespace, name)  # as the model wrote it (see _tools)
         if isinstance(arguments, dict):
             arguments = json.dumps(arguments, ensure_ascii=False)
         if not isinstance(arguments, str):
@@ -435,38 +440,85 @@ def _call_ids(messages) -> set:
 # -- request: the other fields --
 
 
-def _tools(tools) -> Tuple[list, Optional[list]]:
-    """(the tools to echo, the chat tools)."""
+# Tools OpenAI runs on its side: nothing here can run them, so they are left
+# out of the prompt (Codex sends web_search by default). A tool_choice that
+# names one is refused (_tool_choice).
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                "file_search", "code_interpreter", "image_generation", "computer_use",
+                "computer_use_preview", "mcp", "local_shell")
+# How a namespaced tool is named to the model: the namespace and the tool's
+# name joined, within OpenAI's function name rule (so templates, tool parsers
+# and the forced-call grammars take it as any name), as Codex's own flat
+# tool names join them.
+NAMESPACE_JOIN = "__"
+
+
+def flat_name(namespace: Optional[str], name: str) -> str:
+    return f"{namespace}{NAMESPACE_JOIN}{name}" if namespace else name
+
+
+def _function_tool(tool: dict, at: str, namespace: Optional[str] = None) -> dict:
+    """A Responses function tool as a chat tool (named flat_name)."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{at}.name: must be a non-empty string")
+    function = {"name": flat_name(namespace, name)}
+    if tool.get("description") is not None:
+        if not isinstance(tool["description"], str):
+            raise RequestError(f"{at}.description: must be a string")
+        function["description"] = tool["description"]
+    parameters = tool.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise RequestError(f"{at}.parameters: must be an object (a JSON schema)")
+        function["parameters"] = parameters
+    if tool.get("strict") is True:  # explicit only: held to the schema
+        function["strict"] = True
+    return {"type": "function", "function": function}
+
+
+def _tools(tools) -> Tuple[list, Optional[list], Dict[str, Tuple[str, str]]]:
+    """(the tools to echo, the chat tools, {flat name: (namespace, name)} of
+    the tools in namespaces)."""
     if tools is None:
-        return [], None
+        return [], None, {}
     if not isinstance(tools, list):
         raise RequestError("tools: must be a list")
-    chat = []
+    chat, namespaced = [], {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise RequestError(f"tools[{i}]: must be an object")
         kind = tool.get("type")
-        if kind != "function":
+        if kind == "function":
+            chat.append(_function_tool(tool, f"tools[{i}]"))
+        elif kind == "namespace":
+            # Codex's: {"type": "namespace", "name", "description", "tools":
+            # [function tools]}; a call to one names both (function_call's
+            # `namespace`).
+            namespace, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise RequestError(f"tools[{i}].name: must be a non-empty string")
+            if not isinstance(inner, list):
+                raise RequestError(f"tools[{i}].tools: must be a list of function tools")
+            for j, t in enumerate(inner):
+                at = f"tools[{i}].tools[{j}]"
+                if not isinstance(t, dict) or t.get("type") != "function":
+                    raise RequestError(f"{at}: must be a function tool")
+                chat.append(_function_tool(t, at, namespace))
+                namespaced[chat[-1]["function"]["name"]] = (namespace, t["name"])
+        elif kind in HOSTED_TOOLS:
+            warn_once(("hosted tool", kind),
+                      f"A request lists the hosted tool {kind!r}, which only OpenAI's servers "
+                      "run: left out of the prompt (the model can't call it here)")
+        else:
             raise RequestError(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
-                        "(only function tools are)")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"tools[{i}].name: must be a non-empty string")
-        function = {"name": name}
-        if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise RequestError(f"tools[{i}].description: must be a string")
-            function["description"] = tool["description"]
-        parameters = tool.get("parameters")
-        if parameters is not None:
-            if not isinstance(parameters, dict):
-                raise RequestError(f"tools[{i}].parameters: must be an object (a JSON schema)")
-            function["parameters"] = parameters
-        if tool.get("strict") is True:  # explicit only: held to the schema
-            function["strict"] = True
-        chat.append({"type": "function", "function": function})
+                               "(function and namespace tools are; hosted tools are left out)")
+    names = [t["function"]["name"] for t in chat]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise RequestError(f"tools: two tools are named {twice!r}")
     echo = [dict(t) for t in tools]
-    return echo, chat or None
+    return echo, chat or None, namespaced
 
 
 def _tool_choice(choice, tools) -> Any:
@@ -483,12 +535,14 @@ def _tool_choice(choice, tools) -> Any:
         raise RequestError("tool_choice: must be 'auto', 'none', 'required' or an object")
     kind = choice.get("type")
     if kind == "function":
-        name = choice.get("name")
+        name, namespace = choice.get("name"), choice.get("namespace")
         if not isinstance(name, str):
             raise RequestError("tool_choice.name: must be a string")
-        if not any(t["function"]["name"] == name for t in tools or ()):
+        if namespace is not None and not isinstance(namespace, str):
+            raise RequestError("tool_choice.namespace: must be a string")
+        if not any(t["function"]["name"] == flat_name(namespace, name) for t in tools or ()):
             raise RequestError(f"tool_choice.name: no function tool named {name!r} in tools")
-        return {"type": "function", "name": name}
+        return dict(choice)
     if kind == "allowed_tools":
         mode, allowed = choice.get("mode"), choice.get("tools")
         if mode not in ("auto", "required"):
@@ -517,7 +571,8 @@ def _tool_choice(choice, tools) -> Any:
 
 def _chat_tool_choice(choice) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = flat_name(choice.get("namespace"), choice["name"])
+        return {"type": "function", "function": {"name": name}}
     if isinstance(choice, dict):  # allowed_tools (see _tool_choice): all, or one by name
         names = [t["name"] for t in choice["tools"]]
         if choice["mode"] == "required" and len(names) == 1:
@@ -597,6 +652,8 @@ class ResponsesRequest:
     store: bool
     tools: List[dict] = field(default_factory=list)
     carried_bytes: int = 0  # the stored conversation continued (its size)
+    # The chat names of tools in namespaces: {flat name: (namespace, name)}.
+    namespaced: Dict[str, Tuple[str, str]] = field(default_factory=dict)
 
 
 def to_chat_body(body: Any, store: ResponseStore,
@@ -640,7 +697,7 @@ def to_chat_body(body: Any, store: ResponseStore,
     if max_output is not None and max_output < 1:
         raise RequestError("max_output_tokens: must be a positive integer")
 
-    echo_tools, tools = _tools(body.get("tools"))
+    echo_tools, tools, namespaced = _tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"), tools)
     text, response_format = _text_config(body.get("text"))
     reasoning, thinking = _reasoning(body.get("reasoning"))
@@ -707,7 +764,7 @@ def to_chat_body(body: Any, store: ResponseStore,
         "safety_identifier": body.get("safety_identifier"),
         "background": False,
     }
-    return chat, ResponsesRequest(echo, history, stored, echo_tools, carried)
+    return chat, ResponsesRequest(echo, history, stored, echo_tools, carried, namespaced)
 
 
 # -- the protocol --
@@ -802,6 +859,7 @@ class ResponsesExchange(Exchange):
         self._held = ""  # whitespace that may start a message
         self._seq = 0
         self._started = False
+        self._snapshot = b""  # the response at the start (JSON)
         self._finished: Optional[dict] = None  # the response once it ended, to store
         self.keeps_answer = store is not None and request.store
         self.reasoning_chunks = 0
@@ -906,6 +964,8 @@ class ResponsesExchange(Exchange):
         item = {"id": f"fc_{_hex()}", "type": "function_call", "status": "in_progress",
                 "call_id": str(call.get("id") or f"call_{_hex()}"),
                 "name": function.get("name", ""), "arguments": ""}
+        if item["name"] in self.request.namespaced:
+            item["namespace"], item["name"] = self.request.namespaced[item["name"]]
         self.output.append(item)
         index = len(self.output) - 1
         out += self._event("response.output_item.added", output_index=index,
@@ -927,14 +987,22 @@ class ResponsesExchange(Exchange):
         self._started = True
         # The snapshot (echoing the request's tools, megabytes of them for
         # some clients) is written once for both events, on the event loop.
-        snapshot = json_bytes(self.response("in_progress"))
-        out = b""
-        for seq, kind in enumerate(("response.created", "response.in_progress"), self._seq):
-            head = json.dumps({"type": kind, "sequence_number": seq})[:-1].encode()
-            out += (b"event: " + kind.encode() + b"\ndata: " + head + b', "response": '
-                    + snapshot + b"}\n\n")
-        self._seq += 2
-        return out
+        self._snapshot = json_bytes(self.response("in_progress"))
+        return (self._snapshot_event("response.created")
+                + self._snapshot_event("response.in_progress"))
+
+    def _snapshot_event(self, kind: str) -> bytes:
+        """An event carrying the response as it was at the start."""
+        head = json.dumps({"type": kind, "sequence_number": self._seq})[:-1].encode()
+        self._seq += 1
+        return (b"event: " + kind.encode() + b"\ndata: " + head + b', "response": '
+                + self._snapshot + b"}\n\n")
+
+    def keepalive(self) -> bytes:
+        # An event, not a comment: Codex's SSE reader drops comments and its
+        # idle timer (5 minutes) counts events only; a repeated
+        # response.in_progress is one Codex and OpenAI's SDKs take and ignore.
+        return self._snapshot_event("response.in_progress")
 
     def delta(self, text, tool_calls, reasoning) -> bytes:
         out = b""

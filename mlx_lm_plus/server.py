@@ -48,6 +48,7 @@ OUR_FLAGS = (
     "--watchdog-grace",
     "--max-request-image-pixels",
     "--strip-billing-header",
+    "--keep-billing-header",
     "--responses-store-size",
     "--responses-store-bytes",
     "--responses-store-ttl",
@@ -456,9 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--strip-billing-header",
         action="store_true",
         help="(mlx_lm_plus) Remove Claude Code's 'x-anthropic-billing-header:' "
-        "lines from /v1/messages system prompts. They change with every request, "
-        "so without this the prompt cache reuses nothing of a Claude Code session "
-        "(the model then doesn't see them; default: kept)",
+        "lines from /v1/messages system prompts: the default (this flag is kept "
+        "for command lines written when it was not); see --keep-billing-header",
+    )
+    parser.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="(mlx_lm_plus) Keep Claude Code's 'x-anthropic-billing-header:' lines "
+        "in /v1/messages system prompts. They are billing metadata for Anthropic's "
+        "servers and differ between sessions (and, in older Claude Code versions, "
+        "between requests), so kept, the prompt cache can't reuse a shared system "
+        "prompt across sessions (default: removed)",
     )
     parser.add_argument(
         "--responses-store-size",

@@ -49,6 +49,11 @@ class Exchange:
     def stream_error(self, message: str, status: int) -> bytes:
         raise NotImplementedError
 
+    def keepalive(self) -> bytes:
+        """What keeps a started stream alive while nothing else comes
+        (prefill): a frame the protocol's clients read and ignore."""
+        return b": keepalive\n\n"
+
     # Whether `save` has anything to do for this answer.
     keeps_answer: bool = False
 

@@ -320,3 +320,21 @@ def test_stripped_billing_header_lets_the_cache_work(client):
                                    messages=user("List the files."))
         sizes.append((m.usage.input_tokens, m.usage.cache_read_input_tokens))
     assert sizes[1] == (1, sum(sizes[0]) - 1)
+
+
+def test_billing_header_removed_by_default_kept_on_request():
+    """The server strips Claude Code's billing line unless told to keep it
+    (--keep-billing-header): the line differs between sessions, and a
+    session's shared system prompt is only reused by the next without it."""
+    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+    from mlx_lm_plus.app import build
+    from mlx_lm_plus.server import parse_args
+
+    body = {"model": "m", "max_tokens": 2, "messages": user("hi"),
+            "system": [billing("65abc"), {"type": "text", "text": "You are Claude Code."}]}
+    for argv, kept in (([], False), (["--strip-billing-header"], False),
+                       (["--keep-billing-header"], True)):
+        _, server = build(parse_args(["--model", "m", *argv]))
+        (protocol,) = [p for p in server.protocols if isinstance(p, AnthropicProtocol)]
+        chat = to_chat_body(body, strip_billing_header=protocol.strip_billing_header)
+        assert chat["messages"][0]["content"].startswith("x-anthropic-billing-header") == kept

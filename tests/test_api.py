@@ -613,3 +613,60 @@ async def test_images_are_checked_off_the_event_loop(aiohttp_client, aiohttp_ser
         r = await client.post(path, json=body)
         assert r.status == 200, await r.text()
         assert len(threads) == calls and loop_thread not in threads, path
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+async def test_silent_streams_get_keepalives_on_a_timer(aiohttp_client, monkeypatch, path):
+    """A stream that waits in the queue, then prefills with no progress
+    event for a while, gets a keepalive every KEEPALIVE_SECONDS: comments
+    before its first frames, then the protocol's own (an Anthropic ping
+    event; Responses: response.in_progress again; chat completions: a
+    comment, its clients' only choice), and the answer
+    after them."""
+    import time as time_module
+
+    from mlx_lm_plus import api
+    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+    from mlx_lm_plus.responses_api import ResponsesProtocol
+
+    monkeypatch.setattr(api, "KEEPALIVE_SECONDS", 0.05)
+    pause = lambda ch: time_module.sleep(0.4)  # noqa: E731
+    engine = ScriptedEngine([pause, ctx(), pause, *tokens("Hel", "lo", "")])
+    args = parse_args(["--model", "m"])
+    provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
+                         key_for=lambda desc: (desc.model, desc.adapter, None),
+                         defaults_for=lambda name: args, name_for=lambda key: "m",
+                         vocab_size=lambda key: None)
+    server = Server(args, engine, provider, "fp")
+    server.add_protocol(AnthropicProtocol())
+    server.add_protocol(ResponsesProtocol())
+    client = await served(aiohttp_client, make_app(server))
+    body = {"model": "m", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "x"}]}
+    if path == "/v1/responses":
+        body = {"model": "m", "input": "x", "stream": True}
+    r = await client.post(path, json=body)
+    assert r.status == 200
+    blocks = [b for b in (await r.read()).decode().split("\n\n") if b]
+    first = next(i for i, b in enumerate(blocks) if not b.startswith(":"))
+    # Queued for 0.4 s: comments every 0.05 s (give or take a busy machine).
+    assert first >= 3 and all(b == ": keepalive" for b in blocks[:first])
+    if path == "/v1/chat/completions":  # (no frames of its own before the text)
+        assert first >= 6 and "Hel" in blocks[first]
+        return
+    # Then prefill for 0.4 s with nothing to say: the protocol's keepalive.
+    started = blocks[first:]
+    text_at = next(i for i, b in enumerate(started) if "Hel" in b)
+    # Events, not comments (the SDKs and Codex drop comments: their idle
+    # timers count events only).
+    assert not any(b.startswith(":") for b in started)
+    if path == "/v1/messages":
+        pings = [b for b in started[:text_at] if b.startswith("event: ping")]
+        assert len(pings) >= 4  # (one comes with message_start)
+    else:
+        kinds = [json.loads(b.partition("data: ")[2])["type"] for b in started]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert kinds[2:text_at].count("response.in_progress") >= 3
+        numbers = [json.loads(b.partition("data: ")[2])["sequence_number"] for b in started]
+        assert numbers == list(range(len(numbers)))
+    assert "lo" in "".join(started[text_at:])

@@ -361,8 +361,10 @@ def test_input_tokens_count(client):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(tools=[{"type": "web_search"}]), "Tool type 'web_search' is not supported"),
-    (dict(tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}]), "file_search"),
+    (dict(tools=[{"type": "custom", "name": "apply_patch"}]), "Tool type 'custom' is not supported"),
+    (dict(tools=[{"type": "web_search"}], tool_choice={"type": "web_search"}), "'web_search'"),
+    (dict(tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}],
+          tool_choice={"type": "file_search"}), "file_search"),
     (dict(input=[{"type": "computer_call_output", "call_id": "c", "output": {}}]),
      "computer_call_output"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "item references"),
@@ -672,7 +674,13 @@ def test_chat_body_translation():
 def test_chat_body_rejections():
     store = ResponseStore()
     for body, match, status in [
-        ({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}, "'mcp'", 400),
+        ({"input": "x", "tools": [{"type": "custom", "name": "s"}]}, "'custom'", 400),
+        ({"input": "x", "tool_choice": {"type": "web_search"}}, "'web_search'", 400),
+        ({"input": "x", "tools": [WEATHER_TOOL, {"type": "namespace", "name": "n", "tools": [
+            {"type": "function", "name": "x"}]}, {**WEATHER_TOOL, "name": "n__x"}]},
+         "two tools are named 'n__x'", 400),
+        ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
+            {"type": "web_search"}]}]}, r"tools\[0\].tools\[0\]: must be a function tool", 400),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "nope", 400),
         ({"input": "x", "previous_response_id": "resp_zzz"}, "resp_zzz", 404),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
@@ -766,3 +774,62 @@ def test_the_store_holds_what_its_budget_says():
 def test_output_messages_of_empty_output():
     # An answer with no output still takes its turn in the conversation.
     assert output_messages([]) == [{"role": "assistant", "content": ""}]
+
+
+# Codex 0.171's default tools: function tools, a namespace of function tools,
+# and the hosted web_search.
+SPAWN = {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.",
+         "strict": False, "parameters": {"type": "object", "properties": {
+             "task": {"type": "string"}}, "required": ["task"], "additionalProperties": False}}
+CODEX_TOOLS = [
+    {**WEATHER_TOOL, "strict": False},
+    {"type": "namespace", "name": "multi_agent_v1",
+     "description": "Tools for spawning and managing sub-agents.", "tools": [SPAWN]},
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def test_codex_default_tools_are_served(tokenizer):
+    """A namespace's tools reach the model as function tools named
+    namespace__name; hosted tools are left out (not refused); the model's call
+    comes back as a function_call with its name and namespace, and that item
+    replayed renders the same conversation as the stored one."""
+    chat, extra = to_chat_body({"model": "gpt-test", "input": "Go.", "tools": CODEX_TOOLS,
+                                "tool_choice": "auto", "store": False,
+                                "include": ["reasoning.encrypted_content"],
+                                "prompt_cache_key": "k", "reasoning": {"summary": "auto"},
+                                "client_metadata": {"session_id": "s"}}, ResponseStore())
+    assert [t["function"]["name"] for t in chat["tools"]] == [
+        "get_weather", "multi_agent_v1__spawn_agent"]
+    assert chat["tools"][1]["function"]["parameters"] == SPAWN["parameters"]
+    assert extra.echo["tools"] == CODEX_TOOLS  # echoed as sent
+    assert extra.namespaced == {"multi_agent_v1__spawn_agent": ("multi_agent_v1", "spawn_agent")}
+
+    pieces = ["<tool_call>", '\n{"name": "multi_agent_v1__spawn_agent", ',
+              '"arguments": {"task": "look"}}\n', "</tool_call>", ""]
+    for stream in (False, True):
+        request = {"model": "gpt-test", "input": "Go.", "tools": CODEX_TOOLS, "stream": stream}
+        out, completion, protocol = run_exchange(tokenizer, pieces, stream, request=request)
+        assert completion.finish_reason == "tool_calls"
+        if stream:
+            events = [json.loads(b.partition(b"data: ")[2]) for b in out.split(b"\n\n") if b]
+            assert events[-1]["type"] == "response.completed"
+            out = events[-1]["response"]
+        (call,) = [i for i in out["output"] if i["type"] == "function_call"]
+        assert (call["name"], call.get("namespace"), json.loads(call["arguments"])) == (
+            "spawn_agent", "multi_agent_v1", {"task": "look"})
+        (stored,) = [protocol.store.get(key) for key in protocol.store._entries]
+        replayed, _ = to_chat_body({"input": [
+            {"role": "user", "content": "Go."},
+            {k: call[k] for k in ("type", "name", "namespace", "arguments", "call_id")},
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "done"}],
+            "tools": CODEX_TOOLS}, ResponseStore())
+        assert replayed["messages"][:2] == stored.messages()
+        assert replayed["messages"][1]["tool_calls"][0]["function"]["name"] == (
+            "multi_agent_v1__spawn_agent")
+    # A forced call to a namespaced tool names both.
+    chat, _ = to_chat_body({"input": "Go.", "tools": CODEX_TOOLS, "tool_choice": {
+        "type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}},
+        ResponseStore())
+    assert chat["tool_choice"] == {"type": "function",
+                                   "function": {"name": "multi_agent_v1__spawn_agent"}}
