@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 from .bodies import b64decode
 from .logs import warn_once
+from .replay import seal
 from .responses import partial_json
 from .validation import (
     FOREIGN_ENFORCEMENT,
@@ -482,10 +483,12 @@ class MessagesExchange(Exchange):
         index = len(self.blocks) - 1
         out = b""
         if self._open == "thinking":
-            # Clients pass thinking back with its signature: ours is empty.
+            # Clients pass thinking back with its signature (replay.py).
+            block = self.blocks[index]
+            block["signature"] = seal(block["thinking"])
             out += sse("content_block_delta", {
                 "type": "content_block_delta", "index": index,
-                "delta": {"type": "signature_delta", "signature": ""}})
+                "delta": {"type": "signature_delta", "signature": block["signature"]}})
         self._open = None
         return out + sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
@@ -573,6 +576,7 @@ class MessagesExchange(Exchange):
         )
 
     def body(self, completion):
+        self._close()  # (its frames are the stream's; the block is signed)
         stop_reason, stop_sequence = self._stop(completion)
         usage = self._usage(completion.prompt_tokens, completion.cached_tokens,
                             completion.completion_tokens)

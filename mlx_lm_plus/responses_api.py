@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .logs import warn_once
+from .replay import open_sealed, seal
 from .responses import PARTIAL_JSON_CHARS, partial_json
 from .validation import (
     FOREIGN_ENFORCEMENT,
@@ -407,8 +408,12 @@ class _Conversation:
         summary = item.get("summary", [])
         if summary is not None and not isinstance(summary, list):
             raise RequestError(f"{at}.summary: must be a list")
-        # The summary and encrypted_content are another model's: only the
-        # reasoning text itself goes back to the template.
+        # Only the reasoning text itself goes back to the template: the
+        # content, else what this server sealed in encrypted_content (a
+        # value it did not seal, or the summary: another model's, left out).
+        if not texts:
+            opened = open_sealed(item.get("encrypted_content"))
+            texts = [opened] if opened else []
         if texts:
             message = self._assistant("reasoning")
             message["reasoning_content"] = "".join(texts)
@@ -654,6 +659,8 @@ class ResponsesRequest:
     carried_bytes: int = 0  # the stored conversation continued (its size)
     # The chat names of tools in namespaces: {flat name: (namespace, name)}.
     namespaced: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    # include: ["reasoning.encrypted_content"]: reasoning items carry it.
+    sealed_reasoning: bool = False
 
 
 def to_chat_body(body: Any, store: ResponseStore,
@@ -764,7 +771,8 @@ def to_chat_body(body: Any, store: ResponseStore,
         "safety_identifier": body.get("safety_identifier"),
         "background": False,
     }
-    return chat, ResponsesRequest(echo, history, stored, echo_tools, carried, namespaced)
+    return chat, ResponsesRequest(echo, history, stored, echo_tools, carried, namespaced,
+                                  "reasoning.encrypted_content" in include)
 
 
 # -- the protocol --
@@ -906,6 +914,9 @@ class ResponsesExchange(Exchange):
         index = len(self.output) - 1
         item = self.output[index]
         item["status"] = status
+        if item["type"] == "reasoning" and self.request.sealed_reasoning:
+            # Given back in the next request's input (replay.py).
+            item["encrypted_content"] = seal(item["content"][0]["text"])
         self._open = None
         if not self.stream:
             return b""

@@ -15,6 +15,7 @@ import pytest
 
 from compat.launch import OURS, ServerProcess
 from mlx_lm_plus.anthropic_api import MessagesExchange, to_chat_body
+from mlx_lm_plus.replay import open_sealed
 from mlx_lm_plus.wire import Completion
 
 SYSTEM = "You are a terse assistant. Answer in one line."
@@ -207,6 +208,8 @@ def test_thinking_text_and_tool_use_blocks():
     message = anthropic.types.Message.model_validate(exchange.body(done))
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[0].thinking == "let me think"
+    # Signed (replay.py): what Claude Code hands back with the block.
+    assert open_sealed(message.content[0].signature) == "let me think"
     assert message.content[1].text == "It is sunny."
     assert message.content[2].input == {"city": "Paris"} and message.content[2].id
     assert message.stop_reason == "tool_use"
@@ -233,6 +236,7 @@ def test_streamed_blocks_accumulate_in_the_sdk():
             event=construct_type(type_=anthropic.types.RawMessageStreamEvent, value=payload),
             current_snapshot=snapshot, json_bufs=buffers)
     assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use"]
+    assert open_sealed(snapshot.content[0].signature) == "let me think"
     assert snapshot.content[2].input == {"city": "Paris"}
     assert snapshot.content[1].text == "It is sunny."
     assert snapshot.stop_reason == "tool_use"

@@ -833,3 +833,46 @@ def test_codex_default_tools_are_served(tokenizer):
         ResponseStore())
     assert chat["tool_choice"] == {"type": "function",
                                    "function": {"name": "multi_agent_v1__spawn_agent"}}
+
+
+def test_sealed_reasoning_comes_back_as_the_model_wrote_it(tokenizer):
+    """With include: ["reasoning.encrypted_content"] a reasoning item
+    carries its text sealed; replayed with only that (Codex, store: false)
+    the template gets the same reasoning back, as from the content itself.
+    A value the server did not seal, or one changed, is left out: no error."""
+    from mlx_lm_plus.replay import seal
+
+    for stream in (False, True):
+        request = {"model": "gpt-test", "input": "Weather in Paris and Rome?", "stream": stream,
+                   "tools": [WEATHER_TOOL], "store": False,
+                   "include": ["reasoning.encrypted_content"]}
+        out, _, _ = run_exchange(tokenizer, PIECES, stream, request=request)
+        if stream:
+            events = [json.loads(b.partition(b"data: ")[2]) for b in out.split(b"\n\n") if b]
+            done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+            assert done[0]["type"] == "reasoning" and done[0]["encrypted_content"]
+            out = events[-1]["response"]
+        reasoning = out["output"][0]
+        assert reasoning["type"] == "reasoning"
+        sealed = reasoning["encrypted_content"]
+        later = [item for item in out["output"][1:]]
+        outputs = [{"type": "function_call_output", "call_id": c["call_id"], "output": "ok"}
+                   for c in later if c["type"] == "function_call"]
+
+        def replay(item):
+            return to_chat_body({"input": [{"role": "user", "content": "Weather?"}, item,
+                                           *later, *outputs]}, ResponseStore())[0]["messages"]
+
+        with_text = replay(reasoning)
+        assert with_text[1]["reasoning_content"] == "The user wants weather."
+        # Codex's form: the summary and the sealed value, no content.
+        assert replay({"type": "reasoning", "summary": [], "content": None,
+                       "encrypted_content": sealed}) == with_text
+        tampered = sealed[:-3] + ("AAA" if not sealed.endswith("AAA") else "BBB")
+        for foreign in (tampered, seal("x")[:-1], "gAAAAABopaque-openai-value", 7):
+            messages = replay({"type": "reasoning", "summary": [],
+                               "encrypted_content": foreign})
+            assert "reasoning_content" not in messages[1], foreign
+    # Not asked for: not sent.
+    out, _, _ = run_exchange(tokenizer, PIECES, False)
+    assert "encrypted_content" not in out["output"][0]
