@@ -154,20 +154,30 @@ class AsyncChannel(Channel):
         """The next event; IDLE if none came within `timeout` seconds."""
         while not self._items:
             self._waiter = self._loop.create_future()
+            # A timer that wakes the waiter, not asyncio.wait_for: on Python
+            # 3.11 wait_for returns a result that arrived in the same loop
+            # iteration as the task's cancellation and drops the cancellation
+            # (a client's disconnect, then unnoticed until the next write).
+            timer = None if timeout is None else self._loop.call_later(
+                timeout, _wake, self._waiter)
             try:
-                if timeout is None:
-                    await self._waiter
-                else:
-                    await asyncio.wait_for(self._waiter, timeout)
-            except asyncio.TimeoutError:
-                return IDLE
+                await self._waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if timer is not None and not self._items:
+                return IDLE
         return self._items.popleft()
 
     def ready(self) -> bool:
         """Whether `get` would return at once."""
         return bool(self._items)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _append_all(events):
@@ -1085,11 +1095,13 @@ class Server:
                 pending.append(_keepalive(item))
                 pulse.beat()
                 continue
-            pulse.beat()
             if track.first is None:
                 track.first = time.perf_counter()
             try:
                 if assembler.add(item):
+                    # (A token that writes nothing, inside a tool call, is
+                    # silence to the client: no beat.)
+                    pulse.beat()
                     text, tool_calls, reasoning = assembler.take_delta()
                     if text and not tool_calls and not reasoning:  # most tokens
                         pending.append(builder.text_chunk(text))

@@ -445,9 +445,11 @@ def _call_ids(messages) -> set:
 # -- request: the other fields --
 
 
-# Tools OpenAI runs on its side: nothing here can run them, so they are left
-# out of the prompt (Codex sends web_search by default). A tool_choice that
-# names one is refused (_tool_choice).
+# Built-in tool types: run by OpenAI's servers (web_search, file_search, ...)
+# or by a client that speaks their own item types (local_shell,
+# computer_use). Neither is something a local model's chat template has a
+# shape for, so they are left out of the prompt (Codex sends web_search by
+# default). A tool_choice that names one is refused (_tool_choice).
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
                 "file_search", "code_interpreter", "image_generation", "computer_use",
                 "computer_use_preview", "mcp", "local_shell")
@@ -513,8 +515,8 @@ def _tools(tools) -> Tuple[list, Optional[list], Dict[str, Tuple[str, str]]]:
                 namespaced[chat[-1]["function"]["name"]] = (namespace, t["name"])
         elif kind in HOSTED_TOOLS:
             warn_once(("hosted tool", kind),
-                      f"A request lists the hosted tool {kind!r}, which only OpenAI's servers "
-                      "run: left out of the prompt (the model can't call it here)")
+                      f"A request lists the built-in tool {kind!r}, which this server can't "
+                      "offer the model: left out of the prompt")
         else:
             raise RequestError(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
                                "(function and namespace tools are; hosted tools are left out)")
@@ -547,16 +549,18 @@ def _tool_choice(choice, tools) -> Any:
             raise RequestError("tool_choice.namespace: must be a string")
         if not any(t["function"]["name"] == flat_name(namespace, name) for t in tools or ()):
             raise RequestError(f"tool_choice.name: no function tool named {name!r} in tools")
-        return dict(choice)
+        return {"type": "function", "name": name,
+                **({"namespace": namespace} if namespace is not None else {})}
     if kind == "allowed_tools":
         mode, allowed = choice.get("mode"), choice.get("tools")
         if mode not in ("auto", "required"):
             raise RequestError("tool_choice.mode: must be 'auto' or 'required'")
         if not isinstance(allowed, list) or not all(
-                isinstance(t, dict) and isinstance(t.get("name"), str) for t in allowed):
+                isinstance(t, dict) and isinstance(t.get("name"), str)
+                and isinstance(t.get("namespace", ""), str) for t in allowed):
             raise RequestError("tool_choice.tools: must be a list of {'type': 'function', "
                                "'name': ...}")
-        names = {t["name"] for t in allowed}
+        names = {flat_name(t.get("namespace"), t["name"]) for t in allowed}
         every = {t["function"]["name"] for t in tools or ()}
         if mode == "required" and not names:
             raise RequestError("tool_choice: allowed_tools 'required' needs function tools")
@@ -579,7 +583,7 @@ def _chat_tool_choice(choice) -> Any:
         name = flat_name(choice.get("namespace"), choice["name"])
         return {"type": "function", "function": {"name": name}}
     if isinstance(choice, dict):  # allowed_tools (see _tool_choice): all, or one by name
-        names = [t["name"] for t in choice["tools"]]
+        names = [flat_name(t.get("namespace"), t["name"]) for t in choice["tools"]]
         if choice["mode"] == "required" and len(names) == 1:
             return {"type": "function", "function": {"name": names[0]}}
         return choice["mode"]
@@ -1003,7 +1007,10 @@ class ResponsesExchange(Exchange):
                 + self._snapshot_event("response.in_progress"))
 
     def _snapshot_event(self, kind: str) -> bytes:
-        """An event carrying the response as it was at the start."""
+        """An event carrying the response: as it was at the start (written
+        once: it echoes the request's tools), or as it is once it has output."""
+        if self.output:
+            self._snapshot = json_bytes(self.response("in_progress"))
         head = json.dumps({"type": kind, "sequence_number": self._seq})[:-1].encode()
         self._seq += 1
         return (b"event: " + kind.encode() + b"\ndata: " + head + b', "response": '
@@ -1012,7 +1019,10 @@ class ResponsesExchange(Exchange):
     def keepalive(self) -> bytes:
         # An event, not a comment: Codex's SSE reader drops comments and its
         # idle timer (5 minutes) counts events only; a repeated
-        # response.in_progress is one Codex and OpenAI's SDKs take and ignore.
+        # response.in_progress is one Codex and OpenAI's SDKs take (the SDK
+        # replaces the output items it names: the response as it is now).
+        if not (self.stream and self._started):
+            return super().keepalive()
         return self._snapshot_event("response.in_progress")
 
     def delta(self, text, tool_calls, reasoning) -> bytes:

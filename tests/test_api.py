@@ -670,3 +670,94 @@ async def test_silent_streams_get_keepalives_on_a_timer(aiohttp_client, monkeypa
         numbers = [json.loads(b.partition("data: ")[2])["sequence_number"] for b in started]
         assert numbers == list(range(len(numbers)))
     assert "lo" in "".join(started[text_at:])
+
+
+def _tool_ctx():
+    """A context whose text machine sees <tool_call>...</tool_call>."""
+    def parser(text, tools):
+        call = json.loads(text.strip())
+        return {"name": call["name"], "arguments": call["arguments"]}
+
+    machine = TextStateMachine({"normal": [("<tool_call>", "tool")],
+                                "tool": [("</tool_call>", "normal")]})
+    return GenerationContext(True, False, parser, machine, "normal", list(range(5)), 0)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+async def test_a_long_tool_call_is_not_silence(aiohttp_client, monkeypatch, path):
+    """Tokens inside a tool call write nothing until the call closes: a
+    stream gets its keepalives meanwhile, as during prefill."""
+    import time as time_module
+
+    from mlx_lm_plus import api
+    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+    from mlx_lm_plus.responses_api import ResponsesProtocol
+
+    monkeypatch.setattr(api, "KEEPALIVE_SECONDS", 0.1)
+    slow = lambda ch: time_module.sleep(0.03)  # noqa: E731
+    pieces = ["<tool_call>", '{"name": "f", "arguments": {"x": "', *["a"] * 40, '"}}',
+              "</tool_call>", ""]
+    script = [_tool_ctx()]
+    for r in tokens(*pieces):
+        script += [slow, r] if r is not None else [None]
+    args = parse_args(["--model", "m"])
+    provider = Namespace(is_served=lambda d: True, get=lambda k: None, served=["m"],
+                         key_for=lambda d: (d.model, d.adapter, None),
+                         defaults_for=lambda n: args, name_for=lambda k: "m",
+                         vocab_size=lambda k: None)
+    server = Server(args, ScriptedEngine(script), provider, "fp")
+    server.add_protocol(AnthropicProtocol())
+    server.add_protocol(ResponsesProtocol())
+    client = await served(aiohttp_client, make_app(server))
+    tool = {"name": "f", "parameters": {"type": "object"}}
+    chat = {"max_tokens": 99, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    body = {
+        "/v1/chat/completions": {**chat, "tools": [{"type": "function", "function": tool}]},
+        "/v1/messages": {**chat, "model": "m",
+                         "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+        "/v1/responses": {"model": "m", "input": "x", "stream": True,
+                          "tools": [{"type": "function", **tool}]},
+    }[path]
+    start = time_module.perf_counter()
+    arrivals, raw = [start], b""
+    r = await client.post(path, json=body)
+    async for piece in r.content.iter_any():
+        arrivals.append(time_module.perf_counter())
+        raw += piece
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert '"f"' in raw.decode() and arrivals[-1] - start > 1.0
+    # (the call's 40 tokens take 1.2 s: silence would be one gap of 1.2 s)
+    assert max(gaps) < 0.6, (path, max(gaps))
+
+
+async def test_a_disconnect_is_not_lost_to_an_arriving_event():
+    """A handler cancelled (its client left) in the same loop iteration as an
+    event arrives is cancelled, whether it waits with a timeout or not
+    (asyncio.wait_for on Python 3.11 returned the event and dropped the
+    cancellation)."""
+    from mlx_lm_plus.api import IDLE, AsyncChannel
+
+    loop = asyncio.get_running_loop()
+    for timeout in (None, 10.0):
+        for _ in range(20):
+            channel = AsyncChannel(loop)
+
+            async def handler():
+                try:
+                    await channel.get(timeout)
+                    await asyncio.sleep(0.01)
+                    return "went on"
+                except asyncio.CancelledError:
+                    return "cancelled"
+
+            task = asyncio.ensure_future(handler())
+            await asyncio.sleep(0)
+            channel._append("token")
+            task.cancel()
+            assert await task == "cancelled", timeout
+    # An event that comes as the wait ends is never lost.
+    for _ in range(50):
+        channel = AsyncChannel(loop)
+        loop.call_later(0.001, channel._append, "x")
+        got = await channel.get(0.001)
+        assert got == "x" or (got is IDLE and await channel.get(1.0) == "x")

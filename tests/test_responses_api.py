@@ -833,6 +833,16 @@ def test_codex_default_tools_are_served(tokenizer):
         ResponseStore())
     assert chat["tool_choice"] == {"type": "function",
                                    "function": {"name": "multi_agent_v1__spawn_agent"}}
+    chat, extra = to_chat_body({"input": "Go.", "tools": CODEX_TOOLS, "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [
+            {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}]}},
+        ResponseStore())
+    assert chat["tool_choice"] == {"type": "function",
+                                   "function": {"name": "multi_agent_v1__spawn_agent"}}
+    # The echo is the choice as validated, nothing else the client added.
+    _, extra = to_chat_body({"input": "Go.", "tools": CODEX_TOOLS, "tool_choice": {
+        "type": "function", "name": "get_weather", "junk": "x" * 100}}, ResponseStore())
+    assert extra.echo["tool_choice"] == {"type": "function", "name": "get_weather"}
 
 
 def test_sealed_reasoning_comes_back_as_the_model_wrote_it(tokenizer):
