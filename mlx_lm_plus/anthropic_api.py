@@ -388,6 +388,12 @@ def to_chat_body(body: Any, count_only: bool = False,
     thinking = _thinking(body)
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
+    # The budget (reasoning.py): budget_tokens, else the effort's.
+    if isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "enabled":
+        chat["thinking_budget"] = body["thinking"]["budget_tokens"]
+    elif body.get("thinking") is None and isinstance(body.get("output_config"), dict) \
+            and body["output_config"].get("effort") is not None:
+        chat["reasoning_effort"] = body["output_config"]["effort"]
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise RequestError("output_config: must be an object")

@@ -78,6 +78,7 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
+from .reasoning import ThinkingBudget, thinking_budget
 from .prompt import (
     PromptPlan, build_prompt, check_prompt_size, prompt_chars, split_at, template_kwargs,
 )
@@ -216,6 +217,7 @@ class Planned:
     model_key: Any
     plan: PromptPlan
     constraint: Any = None  # a constraints.ConstraintProcessor, or None
+    budget: Any = None  # a reasoning.ThinkingBudget, or None
     # The model has a disk tier: Engine.read_ahead may read its entry first.
     on_disk: bool = False
 
@@ -234,6 +236,7 @@ class Admission:
     segments: List[List[int]]  # the rest of the prompt, split at checkpoints
     segment_types: List[str]
     constraint: Any
+    budget: Any = None  # a reasoning.ThinkingBudget, or None
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -919,6 +922,18 @@ class Engine:
         except ConstraintError as e:
             raise PromptError(str(e)) from e
 
+    @staticmethod
+    def _budget(request, args, tokenizer, plan, constraint):
+        """The request's thinking budget's processor (reasoning.py), or None."""
+        if not tokenizer.has_thinking:
+            return None
+        budget = thinking_budget(getattr(request, "thinking_budget", None), args.max_tokens,
+                                 constraint is not None and constraint.after_think)
+        if budget is None:
+            return None
+        return ThinkingBudget(budget, tokenizer, plan.tokens,
+                              may_open=request.request_type == "chat")
+
     def plan(self, request, args) -> Optional[Planned]:
         """Plan a request for the model it names, on the caller's thread (the
         HTTP layer's planning thread): the template renders, tokenizing, the
@@ -949,6 +964,7 @@ class Engine:
             plan = self._build_plan(lm, request, args)
             constraint = self._constraint(request, lm.tokenizer, plan)
             planned = Planned(key, plan, constraint,
+                              self._budget(request, args, lm.tokenizer, plan, constraint),
                               on_disk=self.store.disk_for(key) is not None)
         finally:
             if pixels:
@@ -996,7 +1012,9 @@ class Engine:
                 # request, which its handler holds to the end, lets them go.
                 if getattr(request, "images", None) is not None:
                     request.images = None
-            planned = Planned(lm.key, plan, self._constraint(request, lm.tokenizer, plan))
+            constraint = self._constraint(request, lm.tokenizer, plan)
+            planned = Planned(lm.key, plan, constraint,
+                              self._budget(request, args, lm.tokenizer, plan, constraint))
         return planned
 
     def _shared_depth(self, lm, plan: PromptPlan) -> Tuple[int, int]:
@@ -1782,7 +1800,7 @@ class Engine:
                 channel.put(PromptError(f"Could not process the images: {e}"))
                 return None
         return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
-                         *segments, planned.constraint)
+                         *segments, planned.constraint, planned.budget)
 
     def _count(self, lm, channel, request, args):
         """Plan a request and answer its context only: the prompt's size, as
@@ -1835,6 +1853,8 @@ class Engine:
                 raise PromptError(
                     "Structured output (response_format, a forced tool_choice) is not "
                     "available with a draft model (--draft-model)")
+            if planned.budget is not None:
+                logits_processors.append(planned.budget)
             if constraint is not None:
                 logits_processors.append(constraint)
 
@@ -2188,7 +2208,8 @@ class _Batch:
             segments = [sum(segments, [])]
             tapped = dict(checkpoints)
         more = dict(taps=[list(tapped)]) if self.tapping else {}
-        processors = _make_logits_processors(a.args) + ([a.constraint] if a.constraint else [])
+        processors = (_make_logits_processors(a.args) + ([a.budget] if a.budget else [])
+                      + ([a.constraint] if a.constraint else []))
         if sum(map(len, segments)) == 1:  # (its prompt is in but its last token)
             self._decode_only = FIRST_TOKEN_STEPS
         # (An error here is answered by the engine's admission guard.)

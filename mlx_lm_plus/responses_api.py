@@ -751,6 +751,8 @@ def to_chat_body(body: Any, store: ResponseStore,
         raise RequestError("chat_template_kwargs: must be an object")
     if thinking is not None:
         kwargs = {**(kwargs or {}), "enable_thinking": thinking}
+    if reasoning["effort"] is not None:  # its budget (reasoning.py)
+        chat["reasoning_effort"] = reasoning["effort"]
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
 

@@ -24,6 +24,7 @@ from mlx_lm.server import (
 )
 
 from .bodies import b64decode
+from .reasoning import EFFORT_BUDGETS
 
 
 class RequestError(ValueError):
@@ -51,6 +52,9 @@ class Request(CompletionRequest):
     # How long its model stays loaded once idle (Ollama's keep_alive, in
     # seconds; negative: for good; None: the model's TTL).
     keep_alive: Optional[float] = None
+    # Tokens the model may think before its think block is closed for it
+    # (reasoning.py; None: unbounded).
+    thinking_budget: Optional[int] = None
 
 
 @dataclass
@@ -471,6 +475,7 @@ def parse_request(
     stop_words = _stop_words(body)
     request = _completion_request(path, body)
     request.keep_alive = parse_keep_alive(body.get("keep_alive"))
+    request.thinking_budget = _thinking_budget(body)
     if request.request_type == "chat":  # a text completion's messages are unused
         _validate_images(body, cli)
     _structured_output(request, body)
@@ -508,6 +513,21 @@ def parse_request(
     return ParsedRequest(
         request, args, p["stream"], p["stream_options"], p["requested_model"]
     )
+
+
+def _thinking_budget(body: Dict[str, Any]) -> Optional[int]:
+    """thinking_budget (tokens), else reasoning_effort (OpenAI's: a level)."""
+    budget = body.get("thinking_budget")
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise RequestError("thinking_budget must be a non-negative integer")
+        return budget
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:
+        raise RequestError(f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}")
+    return EFFORT_BUDGETS[effort]
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")

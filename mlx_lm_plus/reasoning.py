@@ -1,0 +1,114 @@
+"""Thinking budgets: a model's reasoning bounded in tokens.
+
+    budget = thinking_budget(request, args, has_constraint)   # None: unbounded
+    processor = ThinkingBudget(budget, tokenizer, prompt)     # a logits processor
+
+Where budgets come from:
+  thinking_budget (our field, any endpoint)   the number of tokens
+  reasoning_effort (chat completions), reasoning.effort (Responses),
+  output_config.effort (Anthropic)            EFFORT_BUDGETS
+  thinking.budget_tokens (Anthropic)          the number of tokens
+  structured output (a grammar that starts     at most half of max_tokens:
+  after the thinking)                          the answer keeps the other half
+
+Past its budget, the processor closes the think block for the model, as
+llama.cpp's --reasoning-budget does: the think-end token(s) are the only
+ones allowed, one per step, and the model then answers. A model that
+closes the block itself within the budget is left alone. The tokens forced
+count in max_tokens like any other.
+
+A row whose processors include this one reads its previous token at each
+step (a small evaluation, as a grammar's processor does); rows without a
+budget are untouched.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .constraints import _rfind
+
+# reasoning effort -> thinking tokens (None: unbounded). OpenAI documents no
+# numbers; these leave "low" a short think, "medium" (the default effort of
+# OpenAI's reasoning models) room for most problems, and high and above the
+# model's own judgement. "none" and "minimal" close the block at once
+# (Responses and Anthropic also switch the template's thinking off for them).
+EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 8192,
+                  "high": None, "xhigh": None, "max": None}
+
+_WAIT, _THINKING, _DONE = "may open", "thinking", "done"
+
+
+def thinking_budget(requested: Optional[int], max_tokens: int,
+                    constrained: bool) -> Optional[int]:
+    """A request's budget: the one asked for, and with structured output at
+    most half of max_tokens (a grammar that starts after the thinking must
+    have room: a model that kept thinking would end with no answer)."""
+    if constrained:
+        half = max(0, max_tokens // 2)
+        return half if requested is None else min(requested, half)
+    return requested
+
+
+class ThinkingBudget:
+    """A logits processor: `processor(tokens, logits) -> logits`, tokens the
+    row's context (the prompt, then what was generated). See the module doc."""
+
+    def __init__(self, budget: int, tokenizer, prompt: Optional[Sequence[int]] = None,
+                 may_open: bool = True):
+        self.budget = budget
+        self._start: List[int] = list(tokenizer.think_start_tokens or ())
+        self._end: List[int] = list(tokenizer.think_end_tokens or ())
+        self.spent = 0  # tokens generated inside the think block
+        self.forcing = False  # past the budget: closing the block
+        self.forced = 0  # think-end tokens forced so far
+        self._recent: List[int] = []
+        self._calls = 0
+        if not self._start or not self._end:
+            self.state = _DONE
+        elif prompt is not None and _rfind(list(prompt), self._start) > _rfind(
+                list(prompt), self._end):
+            self.state = _THINKING  # the template opened the block
+        elif may_open and len(self._start) == 1:
+            self.state = _WAIT  # the model may open one itself
+        else:
+            self.state = _DONE
+
+    @property
+    def closed_early(self) -> bool:
+        """Whether the budget closed the block (the model did not)."""
+        return self.forcing
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.state == _DONE:
+            return logits
+        if self._calls:
+            self._see(tokens[-1].item())  # the token sampled at the last step
+        self._calls += 1
+        if self.state == _THINKING and self.spent >= self.budget:
+            self.forcing = True
+        if self.state == _THINKING and self.forcing:
+            return _only(logits, self._end[self.forced])
+        return logits
+
+    def _see(self, token: int) -> None:
+        if self.state == _WAIT:
+            self.state = _THINKING if token == self._start[0] else _DONE
+        elif self.forcing:
+            self.forced += 1
+            if self.forced == len(self._end):
+                self.state = _DONE
+        else:
+            self.spent += 1
+            self._recent = (self._recent + [token])[-len(self._end):]
+            if self._recent == self._end:  # the model closed it itself
+                self.state = _DONE
+
+
+def _only(logits: mx.array, token: int) -> mx.array:
+    """Logits that allow `token` alone (at 0: whatever the model gave it)."""
+    vocab = logits.shape[-1]
+    if token >= vocab:
+        return logits  # (can't be forced: max_tokens ends the request)
+    row = mx.where(mx.arange(vocab) == token, 0.0, -mx.inf).astype(logits.dtype)
+    return mx.broadcast_to(row, logits.shape)
