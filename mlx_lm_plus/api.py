@@ -847,6 +847,7 @@ class Server:
         except (EngineUnavailable, LaneBusy) as e:
             return self.unavailable(request, str(e))
 
+        track.messages = parsed.request.messages  # (a cache miss's message, at the end)
         exchange = builder = None
         if protocol is not None:
             exchange = track.exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
@@ -1217,6 +1218,7 @@ class _Tracker:
         self.exchange = None  # the protocol's Exchange (None: chat completions)
         self.body_bytes = 0  # the request body's size (which lanes it takes)
         self.arriving = False  # counted in Server.arriving
+        self.messages = None  # the request's chat messages (None: a text prompt)
 
     def accepted(self, ctx, assembler):
         self.accepted_at = time.perf_counter()
@@ -1231,6 +1233,7 @@ class _Tracker:
             r.prompt_tokens = len(self.ctx.prompt)
             r.cached_tokens = self.ctx.prompt_cache_count or 0
             r.images = getattr(self.ctx, "images", 0)
+            r.cache_miss = _with_message(getattr(self.ctx, "cache_miss", None), self.messages)
         if self.assembler is not None:
             r.generated_tokens = len(self.assembler.tokens)
         if self.first is not None:
@@ -1248,6 +1251,55 @@ class _Tracker:
             elif r.status != 200:
                 r.finish_reason = "error"
         return r
+
+
+# Characters of a conversation searched for a cache miss's message, at
+# most (the search runs on the event loop, at a request's end).
+MISS_SEARCH_CHARS = 1 << 20
+# What a departure in a message of each role most often is.
+MISS_HINTS = {
+    "system": "the system prompt changed since it was cached (a date, a session id?)",
+    "assistant": "a reply came back other than as the model wrote it (re-rendered, "
+                 "its reasoning dropped, or edited)",
+    "user": "an earlier user message changed",
+    "tool": "an earlier tool result changed",
+}
+
+
+def _with_message(miss, messages):
+    """A cache miss (Engine._explain_miss) with the message whose text holds
+    the prompt's side of the departure: its index in the conversation as
+    chat messages (a system message first) and role, searched from the last
+    message back, within MISS_SEARCH_CHARS. None where the departure lies
+    in the template's own text (role markers, tool definitions), or farther
+    than the search goes."""
+    if not miss or not miss.get("prompt") or not messages:
+        return miss
+    needle = miss["prompt"].strip()[:24]
+    miss = dict(miss, message=None)
+    if len(needle) < 4:
+        return miss
+    budget = MISS_SEARCH_CHARS
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i] if isinstance(messages[i], dict) else {}
+        content = message.get("content")
+        texts = [content] if isinstance(content, str) else [
+            p.get("text") for p in content or () if isinstance(p, dict)
+            and isinstance(p.get("text"), str)] if isinstance(content, list) else []
+        texts += [message.get("reasoning_content") or "", message.get("reasoning") or ""]
+        for text in texts:
+            if not isinstance(text, str):
+                continue
+            budget -= len(text)
+            if budget < 0:
+                return miss
+            if needle in text:
+                miss["message"] = {"index": i, "role": message.get("role")}
+                hint = MISS_HINTS.get(message.get("role"))
+                if hint:
+                    miss["hint"] = hint
+                return miss
+    return miss
 
 
 def _forced_tool(req) -> Optional[str]:

@@ -916,6 +916,26 @@ class PromptStore:
                          and 0 < left.entry.reply_start <= depth)
             return depth, not abandoned
 
+    def departure(self, model: Any, key: List[int], n: int = 16) -> Tuple[int, List[int]]:
+        """(how many leading tokens of `key` the tree holds, up to `n` tokens
+        a stored sequence has there instead of key's next ones): where a
+        prompt leaves what is stored, for explaining a miss. No tokens: key
+        only extends what is stored (or ends inside it)."""
+        with self._lock:
+            node, depth, _, left = self._descend(model, array(_TOKENS, key))
+            if node is None or depth >= len(key):
+                return depth, []
+            if left is not None:
+                follow = list(left.edge[depth - (left.depth - len(left.edge)):][:n])
+                node = left
+            else:
+                follow = []
+            # (On down the most recently added branch: the last child.)
+            while len(follow) < n and node.children:
+                node = list(node.children.values())[-1]
+                follow += list(node.edge[: n - len(follow)])
+            return depth, follow
+
     @staticmethod
     def _nearest_entry(node: _Node) -> Optional[_Node]:
         """The shallowest entry in the subtree of `node` (in tokens; between

@@ -1026,6 +1026,41 @@ class Engine:
             depth = plan.vision.safe_prefix(depth)
         return depth, depth if worth_it else 0
 
+    def _explain_miss(self, lm, plan: PromptPlan, reused: int) -> Optional[Dict[str, Any]]:
+        """Why a request reused fewer prompt tokens than the store shares
+        with it, or None: where its prompt departs from a stored sequence
+        (the position, the part of the prompt, a few tokens of both sides
+        there), and shared tokens it could not resume from. For the
+        request's log line and /v1/stats (metrics.RequestRecord.cache_miss);
+        api.py adds the message it found the departure in. A trie walk and
+        three short decodes, on misses only."""
+        try:
+            depth, stored = self.store.departure(lm.key, plan.cache_key)
+        except Exception:
+            logging.exception("Prompt cache: explaining a miss failed")
+            return None
+        # (The last prompt token is fed with the first decode step: a stored
+        # prompt is one token short of its key on some models.)
+        unreused = depth - reused if depth - reused > 1 else 0
+        if depth == 0 or not (stored or unreused):
+            return None
+        tokens, decode = plan.tokens, lm.tokenizer.decode
+        miss: Dict[str, Any] = {"position": depth, "reused": reused}
+        if stored:
+            ends = list(itertools.accumulate(map(len, plan.segments)))
+            part = next(i for i, end in enumerate(ends) if depth < end or i == len(ends) - 1)
+            miss["part"] = ("system prompt and tools" if plan.segment_types[part] == "system"
+                            else "last message and generation prompt"
+                            if part == len(ends) - 1 else "conversation")
+            miss["before"] = decode(tokens[max(0, depth - 8):depth])
+            miss["prompt"] = decode(tokens[depth:depth + len(stored)])
+            miss["stored"] = decode(stored)
+        if unreused:
+            # Shared tokens the store could not resume from: models with
+            # recurrent layers resume only where a whole state was stored.
+            miss["shared_not_reused"] = unreused
+        return miss
+
     @staticmethod
     def _split(plan: PromptPlan, depth: int):
         """The plan's segments, plus a divergence checkpoint at `depth`: where
@@ -1799,6 +1834,7 @@ class Engine:
                     raise  # the admission guard answers 503
                 channel.put(PromptError(f"Could not process the images: {e}"))
                 return None
+        ctx.cache_miss = self._explain_miss(lm, plan, ctx.prompt_cache_count)
         return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
                          *segments, planned.constraint, planned.budget)
 
@@ -1964,6 +2000,7 @@ class Engine:
             cache = make_prompt_cache(model)
             if draft_model is not None:
                 cache += make_prompt_cache(draft_model)
+        ctx.cache_miss = self._explain_miss(lm, plan, ctx.prompt_cache_count)
         channel.put(ctx)
 
         progress = self._prefill_progress(channel, cache)

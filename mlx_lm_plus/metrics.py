@@ -51,6 +51,9 @@ class RequestRecord:
     # The served model it ran on (its name in /v1/models), the `model` label:
     # never the name a client sent, which could be anything.
     served_model: str = ""
+    # Why it reused fewer prompt tokens than the prompt cache shares with it
+    # (Engine._explain_miss; None: it didn't).
+    cache_miss: Optional[Dict[str, Any]] = None
 
     @property
     def computed_tokens(self) -> int:
