@@ -30,10 +30,11 @@ class ServerProcess:
 
     def __init__(self, command: List[str], args: List[str], *, log: Optional[Path] = None,
                  env: Optional[dict] = None, port: Optional[int] = None,
-                 startup_timeout: float = 300, cwd: Optional[Path] = None):
+                 startup_timeout: float = 300, cwd: Optional[Path] = None,
+                 host: str = "127.0.0.1"):
         self.port = port or free_port()
-        self.command = list(command) + list(args) + ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = list(command) + list(args) + ["--host", host, "--port", str(self.port)]
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout

@@ -1275,10 +1275,17 @@ def _with_message(miss, messages):
     than the search goes."""
     if not miss or not miss.get("prompt") or not messages:
         return miss
-    needle = miss["prompt"].strip()[:24]
     miss = dict(miss, message=None)
-    if len(needle) < 4:
-        return miss
+    # The excerpt's start, shorter and shorter: it may run on into the
+    # template's text (the end of a message, the next role's marker).
+    text = miss["prompt"].strip()
+    for n in (24, 12, 6):
+        if len(text) >= min(n, 4) and _find_message(miss, messages, text[:n]):
+            break
+    return miss
+
+
+def _find_message(miss, messages, needle) -> bool:
     budget = MISS_SEARCH_CHARS
     for i in range(len(messages) - 1, -1, -1):
         message = messages[i] if isinstance(messages[i], dict) else {}
@@ -1292,14 +1299,14 @@ def _with_message(miss, messages):
                 continue
             budget -= len(text)
             if budget < 0:
-                return miss
+                return False
             if needle in text:
                 miss["message"] = {"index": i, "role": message.get("role")}
                 hint = MISS_HINTS.get(message.get("role"))
                 if hint:
                     miss["hint"] = hint
-                return miss
-    return miss
+                return True
+    return False
 
 
 def _forced_tool(req) -> Optional[str]:

