@@ -829,23 +829,57 @@ def build_agent_fixture(root) -> Path:
     54k tokens), their turns end as a model's do, and long contexts fit
     (max_position_embeddings 131072). Not for cached == cold tests: its
     output ignores the context."""
+    from mlx_lm_plus.demo import demo_model_path
+
+    return _build_chain_fixture(Path(root) / AGENT_KIND, demo_model_path(), 49152,
+                                AGENT_CHAIN, AGENT_EOS)
+
+
+# The thinking chain fixture: the qwen3 fixture's tokenizer; after a
+# generation prompt that opened a think block ("<think>" "\n") it thinks
+# "The sky is", closes the block, answers "Done." and ends: each token
+# follows from the one before, and none repeats.
+THINKING_KIND = "thinking_chain"
+THINKING_CHAIN_TEXT = ("The sky is", "Done.")
+
+
+def build_thinking_fixture(root, qwen3: Path) -> Path:
+    """A one-layer llama on the qwen3 fixture's tokenizer (`qwen3`: its
+    folder) whose answer to any prompt ending in an open think block is the
+    reasoning "The sky is", then "</think>", then "Done." and EOS: token
+    for token the same each time, so a replayed turn can be compared with
+    what was generated. For the replay tests (tests/test_replay.py)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(qwen3) / "tokenizer.json"))
+    (newline,) = tok.encode("\n", add_special_tokens=False).ids
+    think_end, eos = tok.token_to_id("</think>"), tok.token_to_id("<|im_end|>")
+    reasoning, answer = (tok.encode(t, add_special_tokens=False).ids
+                         for t in THINKING_CHAIN_TEXT)
+    sequence = [newline, *reasoning, think_end, *answer, eos]
+    assert len(set(sequence)) == len(sequence), sequence  # (a chain: no repeats)
+    chain = dict(zip(sequence, sequence[1:]))
+    return _build_chain_fixture(Path(root) / THINKING_KIND, Path(qwen3), 512, chain, eos)
+
+
+def _build_chain_fixture(out: Path, tokenizer_from: Path, vocab: int, chain: dict,
+                         eos: int) -> Path:
+    """One-layer llama whose next token depends on the last alone: `chain`
+    maps a token to the one after it; any other token is followed by EOS."""
     import shutil
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from mlx_lm_plus.demo import demo_model_path
-
-    out = Path(root) / AGENT_KIND
     marker = out / "fixture.json"
     if _built(marker, AGENT_VERSION):
         return out
     out.mkdir(parents=True, exist_ok=True)
-    demo = demo_model_path()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo / name, out / name)
-    vocab, dim = 49152, 64
+        shutil.copy(Path(tokenizer_from) / name, out / name)
+    dim = 64
+    assert len(chain) < dim
     config = {"model_type": "llama", "hidden_size": dim, "num_hidden_layers": 1,
               "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -857,16 +891,16 @@ def build_agent_fixture(root) -> Path:
     weights = {k: mx.zeros_like(v) if "layers." in k and "norm" not in k else v
                for k, v in tree_flatten(model.parameters())}
     # Each token's embedding is a direction: the chain's tokens their own
-    # (1, 2, 3), every other token direction 0; the layer adds nothing, so
+    # (1, 2, ...), every other token direction 0; the layer adds nothing, so
     # the final hidden state points where the last token's embedding does.
     embed = mx.zeros((vocab, dim)).at[:, 0].add(1.0)
     head = mx.zeros((vocab, dim))
-    for i, (token, following) in enumerate(AGENT_CHAIN.items(), start=1):
+    for i, (token, following) in enumerate(chain.items(), start=1):
         embed = embed.at[token].add(-embed[token]).at[token, i].add(1.0)
         head = head.at[following, i].add(10.0)
-    head = head.at[AGENT_EOS, 0].add(10.0)
+    head = head.at[eos, 0].add(10.0)
     weights["model.embed_tokens.weight"] = embed
     weights["lm_head.weight"] = head
     mx.save_safetensors(str(out / "model.safetensors"), weights)
-    marker.write_text(json.dumps({"version": AGENT_VERSION, "kind": AGENT_KIND}))
+    marker.write_text(json.dumps({"version": AGENT_VERSION, "chain": len(chain)}))
     return out
