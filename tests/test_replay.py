@@ -84,6 +84,30 @@ def test_a_replayed_responses_turn_reuses_what_the_server_wrote(thinking_server)
     assert cached["changed"] <= r1["usage"]["input_tokens"] + 1, (cached, seen)
 
 
+def test_a_conversation_replayed_turn_after_turn(thinking_server):
+    """Four turns in Codex's form, each replaying all the turns before:
+    recomputed / novel = 1 (novel: the prompt past everything the server
+    saw or wrote before)."""
+    items, previous = [{"role": "user", "content": "Sky?"}], None
+    for turn in range(4):
+        status, r = thinking_server.post("/v1/responses", {
+            "model": "m", "store": False, "include": ["reasoning.encrypted_content"],
+            "input": items})
+        assert status == 200, r
+        usage = r["usage"]
+        if previous is not None:
+            novel = usage["input_tokens"] - previous
+            recomputed = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+            assert recomputed <= novel + 1, (turn, recomputed, novel)
+        previous = usage["input_tokens"] + usage["output_tokens"]
+        reasoning, message = r["output"]
+        items += [{"type": "reasoning", "summary": [],
+                   "encrypted_content": reasoning["encrypted_content"]},
+                  {"type": "message", "role": "assistant", "content": [
+                      {"type": "output_text", "text": message["content"][0]["text"]}]},
+                  {"role": "user", "content": f"Why {turn}?"}]
+
+
 def test_a_replayed_thinking_block_reuses_what_the_server_wrote(thinking_server):
     """Claude Code's form: the thinking block back with its signature."""
     user = {"role": "user", "content": "Sky?"}
