@@ -848,6 +848,7 @@ class Server:
             return self.unavailable(request, str(e))
 
         track.messages = parsed.request.messages  # (a cache miss's message, at the end)
+        track.miss_text = getattr(self.cli_args, "cache_miss_text", False)
         exchange = builder = None
         if protocol is not None:
             exchange = track.exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
@@ -1219,6 +1220,7 @@ class _Tracker:
         self.body_bytes = 0  # the request body's size (which lanes it takes)
         self.arriving = False  # counted in Server.arriving
         self.messages = None  # the request's chat messages (None: a text prompt)
+        self.miss_text = False  # --cache-miss-text
 
     def accepted(self, ctx, assembler):
         self.accepted_at = time.perf_counter()
@@ -1233,7 +1235,8 @@ class _Tracker:
             r.prompt_tokens = len(self.ctx.prompt)
             r.cached_tokens = self.ctx.prompt_cache_count or 0
             r.images = getattr(self.ctx, "images", 0)
-            r.cache_miss = _with_message(getattr(self.ctx, "cache_miss", None), self.messages)
+            r.cache_miss = _with_message(getattr(self.ctx, "cache_miss", None), self.messages,
+                                         self.miss_text)
         if self.assembler is not None:
             r.generated_tokens = len(self.assembler.tokens)
         if self.first is not None:
@@ -1266,22 +1269,32 @@ MISS_HINTS = {
 }
 
 
-def _with_message(miss, messages):
+# A cache miss's text (Engine._explain_miss): kept with --cache-miss-text only.
+MISS_TEXT = ("before", "prompt", "stored")
+
+
+def _with_message(miss, messages, keep_text: bool = False):
     """A cache miss (Engine._explain_miss) with the message whose text holds
     the prompt's side of the departure: its index in the conversation as
     chat messages (a system message first) and role, searched from the last
-    message back, within MISS_SEARCH_CHARS. None where the departure lies
-    in the template's own text (role markers, tool definitions), or farther
-    than the search goes."""
-    if not miss or not miss.get("prompt") or not messages:
+    message back, within MISS_SEARCH_CHARS (None where the departure lies in
+    the template's own text, such as role markers or tool definitions, or
+    farther than the search goes). Its text (MISS_TEXT: the request's and a
+    stored prompt's, maybe another client's) only if `keep_text`."""
+    if not miss:
         return miss
-    miss = dict(miss, message=None)
-    # The excerpt's start, shorter and shorter: it may run on into the
-    # template's text (the end of a message, the next role's marker).
-    text = miss["prompt"].strip()
-    for n in (24, 12, 6):
-        if len(text) >= min(n, 4) and _find_message(miss, messages, text[:n]):
-            break
+    miss = dict(miss)
+    if miss.get("prompt") and messages:
+        miss["message"] = None
+        # The excerpt's start, shorter and shorter: it may run on into the
+        # template's text (the end of a message, the next role's marker).
+        text = miss["prompt"].strip()
+        for n in (24, 12, 6):
+            if len(text) >= min(n, 4) and _find_message(miss, messages, text[:n]):
+                break
+    if not keep_text:
+        for key in MISS_TEXT:
+            miss.pop(key, None)
     return miss
 
 

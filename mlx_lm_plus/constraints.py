@@ -363,6 +363,8 @@ class ConstraintProcessor:
     un-consumed); one processor per request, never shared or reused.
     """
 
+    ORDER = 1  # (batched after a thinking budget: patches/batched_logits_processors)
+
     def __init__(self, grammar: Grammar, tokenizer, *, after_think: bool = False,
                  prompt: Optional[Sequence[int]] = None, may_open_think: bool = True,
                  matcher: Optional[LLMatcher] = None):

@@ -78,6 +78,7 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
+from .logs import warn_once
 from .reasoning import ThinkingBudget, thinking_budget
 from .prompt import (
     PromptPlan, build_prompt, check_prompt_size, prompt_chars, split_at, template_kwargs,
@@ -1035,16 +1036,18 @@ class Engine:
         api.py adds the message it found the departure in. A trie walk and
         three short decodes, on misses only."""
         try:
-            depth, stored = self.store.departure(lm.key, plan.cache_key)
-        except Exception:
+            return self._departure(lm, plan, reused)
+        except Exception:  # (an explanation never fails a request)
             logging.exception("Prompt cache: explaining a miss failed")
             return None
+
+    def _departure(self, lm, plan: PromptPlan, reused: int) -> Optional[Dict[str, Any]]:
+        depth, stored = self.store.departure(lm.key, plan.cache_key)
         # (The last prompt token is fed with the first decode step: a stored
         # prompt is one token short of its key on some models.)
         unreused = depth - reused if depth - reused > 1 else 0
         if depth == 0 or not (stored or unreused):
             return None
-        tokens, decode = plan.tokens, lm.tokenizer.decode
         miss: Dict[str, Any] = {"position": depth, "reused": reused}
         if stored:
             ends = list(itertools.accumulate(map(len, plan.segments)))
@@ -1052,9 +1055,14 @@ class Engine:
             miss["part"] = ("system prompt and tools" if plan.segment_types[part] == "system"
                             else "last message and generation prompt"
                             if part == len(ends) - 1 else "conversation")
-            miss["before"] = decode(tokens[max(0, depth - 8):depth])
-            miss["prompt"] = decode(tokens[depth:depth + len(stored)])
-            miss["stored"] = decode(stored)
+
+            def text(ids):  # (an image's place in a cache key is a negative id)
+                return lm.tokenizer.decode([i for i in ids if i >= 0])
+
+            key = plan.cache_key
+            miss["before"] = text(key[max(0, depth - 8):depth])
+            miss["prompt"] = text(key[depth:depth + len(stored)])
+            miss["stored"] = text(stored)
         if unreused:
             # Shared tokens the store could not resume from: models with
             # recurrent layers resume only where a whole state was stored.
@@ -1889,7 +1897,12 @@ class Engine:
                 raise PromptError(
                     "Structured output (response_format, a forced tool_choice) is not "
                     "available with a draft model (--draft-model)")
-            if planned.budget is not None:
+            if planned.budget is not None and draft_model is not None:
+                warn_once("budget with a draft model", (
+                    "A request asked for a thinking budget on a model served with a draft "
+                    "model (--draft-model): not applied (speculation calls the processors "
+                    "on draft tokens it may reject, which a count can't follow)"))
+            elif planned.budget is not None:
                 logits_processors.append(planned.budget)
             if constraint is not None:
                 logits_processors.append(constraint)

@@ -17,14 +17,17 @@ ones allowed, one per step, and the model then answers. A model that
 closes the block itself within the budget is left alone. The tokens forced
 count in max_tokens like any other.
 
-A row whose processors include this one reads its previous token at each
-step (a small evaluation, as a grammar's processor does); rows without a
-budget are untouched.
+In a batch the budgeted rows are handled in one call per step, beside the
+grammars' (patches/batched_logits_processors: the step reads every row's
+previous token once), and a row whose block is closed drops out of it.
+Not with a draft model: speculation calls processors on draft tokens it
+may reject, which a count can't follow (the budget is then not applied).
 """
 
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .constraints import _rfind
 
@@ -74,6 +77,35 @@ class ThinkingBudget:
         else:
             self.state = _DONE
 
+    ORDER = 0  # (batched before a grammar's: patches/batched_logits_processors)
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to do for this row (the batched step drops it)."""
+        return self.state == _DONE
+
+    @staticmethod
+    def process_batch(logits: mx.array, rows) -> mx.array:
+        """All budgeted rows of a batch step at once (patches/
+        batched_logits_processors): `rows` (row index, processor, the row's
+        tokens in the KV cache, the token fed at this step); one `where`
+        for the rows being closed, the others unchanged."""
+        forced = []
+        for e, p, _, newest in rows:
+            token = p._step(newest)
+            if token is not None:
+                forced.append((e, token))
+        if not forced:
+            return logits
+        batch, vocab = logits.shape
+        keep = np.ones((batch, vocab), dtype=bool)
+        only = np.zeros((batch, vocab), dtype=bool)
+        for e, token in forced:
+            if token < vocab:  # (else it can't be forced: max_tokens ends it)
+                keep[e] = False
+                only[e, token] = True
+        return mx.where(mx.array(keep), logits, mx.where(mx.array(only), 0.0, -mx.inf))
+
     @property
     def closed_early(self) -> bool:
         """Whether the budget closed the block (the model did not)."""
@@ -82,14 +114,23 @@ class ThinkingBudget:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.state == _DONE:
             return logits
+        token = self._step(tokens[-1].item() if self._calls else None)
+        return logits if token is None else _only(logits, token)
+
+    def _step(self, newest: Optional[int]) -> Optional[int]:
+        """Take the token fed at this step (the one sampled at the last;
+        at the first call, the prompt's last: not counted); the token to
+        force now, or None."""
+        if self.state == _DONE:
+            return None
         if self._calls:
-            self._see(tokens[-1].item())  # the token sampled at the last step
+            self._see(newest)
         self._calls += 1
         if self.state == _THINKING and self.spent >= self.budget:
             self.forcing = True
         if self.state == _THINKING and self.forcing:
-            return _only(logits, self._end[self.forced])
-        return logits
+            return self._end[self.forced]
+        return None
 
     def _see(self, token: int) -> None:
         if self.state == _WAIT:

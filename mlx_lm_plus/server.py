@@ -49,6 +49,7 @@ OUR_FLAGS = (
     "--max-request-image-pixels",
     "--strip-billing-header",
     "--keep-billing-header",
+    "--cache-miss-text",
     "--responses-store-size",
     "--responses-store-bytes",
     "--responses-store-ttl",
@@ -459,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="(mlx_lm_plus) Remove Claude Code's 'x-anthropic-billing-header:' "
         "lines from /v1/messages system prompts: the default (this flag is kept "
         "for command lines written when it was not); see --keep-billing-header",
+    )
+    parser.add_argument(
+        "--cache-miss-text",
+        action="store_true",
+        help="(mlx_lm_plus) Add a few tokens of text from both sides of a prompt "
+        "cache miss to its explanation (the request log line, /v1/stats): the "
+        "request's own prompt and a stored prompt, which may be another client's "
+        "(default: the position, the part of the prompt and the message only)",
     )
     parser.add_argument(
         "--keep-billing-header",

@@ -15,8 +15,7 @@ each turn answers "Hello."; each request of a session after its first
 reuses at least 95% of its prompt; the first request of a second session
 in the same project reuses the part of the prompt the sessions share (the
 system prompt and tools before the first user message, at least a third of
-it), and every request that reused less than the cache shared says why
-(cache_miss)."""
+it) and says where it departs (cache_miss)."""
 
 import json
 import os
@@ -80,7 +79,10 @@ class Isolation:
 
     def __init__(self):
         self.name = f"mlxp-{uuid.uuid4().hex[:6]}"
-        self.host, self.peer = "10.231.7.1", "10.231.7.2"
+        # (A /30 of its own: runs side by side don't share a route.)
+        subnet = int(self.name[5:], 16) % (1 << 14) * 4
+        base = f"10.{200 + subnet // 65536}.{subnet // 256 % 256}"
+        self.host, self.peer = f"{base}.{subnet % 256 + 1}", f"{base}.{subnet % 256 + 2}"
         self.up = False
 
     def __enter__(self):

@@ -85,39 +85,74 @@ def server(fixture_path, tmp_path_factory):
 
 
 
+def _reasoning_of(server, max_tokens, **extra):
+    status, body = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+        "temperature": 0, **extra})
+    assert status == 200, body
+    message = body["choices"][0]["message"]
+    return message.get("reasoning") or "", message["content"], body["usage"]
+
+
 def test_every_protocols_budget_field(server):
-    """The template opens the think block; a random model never closes it. With a budget the reasoning stops there and an answer follows;
-    without, max_tokens ends it inside the reasoning."""
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24,
-            "temperature": 0}
-    status, free = server.post("/v1/chat/completions", chat)
-    assert status == 200
-    message = free["choices"][0]["message"]
-    assert message["content"] in ("", None) and message["reasoning"]
-    # (a seed: the sequential path; the others: the batch)
-    for extra in ({"thinking_budget": 6}, {"reasoning_effort": "minimal"},
-                  {"thinking_budget": 6, "seed": 3}):
-        status, body = server.post("/v1/chat/completions", {**chat, **extra})
-        assert status == 200, body
-        message = body["choices"][0]["message"]
-        assert message["content"], (extra, message)
-        # The answer follows the forced </think>, the reasoning precedes it.
-        assert free["choices"][0]["message"]["reasoning"].startswith(
-            message.get("reasoning") or "")
+    """The template opens the think block; a random model never closes it.
+    A budget of B: the reasoning is exactly the first B tokens the model
+    writes without one, then </think> (the (B+1)-th token), then the answer."""
+    free, content, _ = _reasoning_of(server, 24)
+    assert content in ("", None) and free  # never closed: all reasoning
+    first_six, _, _ = _reasoning_of(server, 6)
+    for extra in ({"thinking_budget": 6}, {"thinking_budget": 6, "seed": 3}):
+        # (a seed: the sequential path; without: the batch)
+        closed, content, usage = _reasoning_of(server, 7, **extra)
+        assert closed == first_six and content in ("", None), (extra, closed, content)
+        assert usage["completion_tokens"] == 7
+        closed, content, _ = _reasoning_of(server, 10, **extra)
+        assert closed == first_six and content, (extra, content)
+    for extra in ({"reasoning_effort": "minimal"}, {"thinking_budget": 0}):
+        closed, content, _ = _reasoning_of(server, 4, **extra)
+        assert closed == "" and content, (extra, closed, content)
     status, body = server.post("/v1/messages", {
-        "model": "m", "max_tokens": 24, "temperature": 0,
+        "model": "m", "max_tokens": 10, "temperature": 0,
         "thinking": {"type": "enabled", "budget_tokens": 6},
         "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200, body
     kinds = [b["type"] for b in body["content"]]
-    assert kinds[0] == "thinking" and "text" in kinds, kinds
+    assert kinds == ["thinking", "text"] and body["content"][0]["thinking"] == first_six
+    # Responses' effort, and Anthropic's when `thinking` is absent: "minimal"
+    # / "low" (Anthropic's lowest) have budgets the fixture can show.
     status, body = server.post("/v1/responses", {
-        "model": "m", "input": "Hi", "max_output_tokens": 24, "temperature": 0,
-        "reasoning": {"effort": "low"}})
-    assert status == 200 and body["status"] == "incomplete"  # 1024 > 24: no effect here
-    assert [i["type"] for i in body["output"]] == ["reasoning"]
-    status, body = server.post("/v1/chat/completions", {**chat, "reasoning_effort": "huge"})
+        "model": "m", "input": "Hi", "max_output_tokens": 4, "temperature": 0,
+        "reasoning": {"effort": "minimal"}})
+    assert status == 200, body
+    assert [i["type"] for i in body["output"]] == ["message"], body["output"]
+    status, body = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "huge"})
     assert status == 400 and "reasoning_effort" in json.dumps(body)
+
+
+def test_budgets_of_the_effort_fields():
+    """Each protocol's effort field reaches the budget (the fixture can't
+    show budgets of 1,024 tokens and more)."""
+    from mlx_lm_plus.anthropic_api import to_chat_body as anthropic_chat
+    from mlx_lm_plus.responses_api import ResponseStore
+    from mlx_lm_plus.responses_api import to_chat_body as responses_chat
+    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.validation import parse_request
+
+    cli = parse_args(["--model", "m"])
+    for effort in ("low", "medium", "high"):
+        chat, _ = responses_chat({"input": "x", "reasoning": {"effort": effort}},
+                                 ResponseStore())
+        parsed = parse_request("/v1/chat/completions", chat, cli)
+        assert parsed.request.thinking_budget == EFFORT_BUDGETS[effort]
+        chat = anthropic_chat({"model": "m", "max_tokens": 9, "output_config": {"effort": effort},
+                               "messages": [{"role": "user", "content": "x"}]})
+        parsed = parse_request("/v1/chat/completions", chat, cli)
+        assert parsed.request.thinking_budget == EFFORT_BUDGETS[effort]
+    chat = anthropic_chat({"model": "m", "max_tokens": 9, "messages": [
+        {"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 77},
+        "output_config": {"effort": "low"}})
+    assert parse_request("/v1/chat/completions", chat, cli).request.thinking_budget == 77
 
 
 def test_structured_output_keeps_room_for_the_answer(server):
