@@ -104,7 +104,10 @@ class ThinkingBudget:
             if token < vocab:  # (else it can't be forced: max_tokens ends it)
                 keep[e] = False
                 only[e, token] = True
-        return mx.where(mx.array(keep), logits, mx.where(mx.array(only), 0.0, -mx.inf))
+        forcing = mx.where(mx.array(only), 0.0, -mx.inf).astype(logits.dtype)
+        # (In the logits' dtype: a float32 where would turn a bf16 batch's
+        # logits, every other row's too, into float32 on this step.)
+        return mx.where(mx.array(keep), logits, forcing)
 
     @property
     def closed_early(self) -> bool:

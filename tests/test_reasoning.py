@@ -167,3 +167,18 @@ def test_structured_output_keeps_room_for_the_answer(server):
     assert status == 200, body
     message = body["choices"][0]["message"]
     assert message["reasoning"] and message["content"].startswith('{"a": ')
+
+
+def test_a_row_being_closed_leaves_the_batch_dtype_alone(qwen3):
+    """The batched budget's masks keep the logits' dtype: a bf16 batch
+    where one row's block is being closed stays bf16 for every row."""
+    from mlx_lm_plus.reasoning import ThinkingBudget as Budget
+
+    _, tok = qwen3
+    prompt = prompt_of(tok, "x") + list(tok.think_start_tokens)
+    budget = Budget(0, tok, prompt)
+    logits = mx.zeros((2, 64), dtype=mx.bfloat16)
+    out = Budget.process_batch(logits, [(0, budget, prompt[:-1], prompt[-1])])
+    assert out.dtype == mx.bfloat16
+    assert out[0, tok.think_end_tokens[0]].item() == 0 and mx.isinf(out[0, 5]).item()
+    assert mx.array_equal(out[1], logits[1])
