@@ -467,6 +467,27 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
+SPEED_PROMPT_TOKENS = 512
+SPEED_DECODE_TOKENS = 48
+
+
+async def speed(run: Run) -> Dict[str, Any]:
+    """One request at a time, nothing cached: prefill tok/s (prompt tokens
+    over the time to the first token) of a ~512-token prompt, and decode
+    tok/s (from the first streamed token to the last) of 48 tokens. What a
+    CPU's BLAS and weight format decide (mlx_lm_plus/cpu.py)."""
+    client = run.client(8 if run.smoke else SPEED_DECODE_TOKENS)
+    await client.chat(run.http, overhead_messages(0, "warm-up "), stream=True, record=False)
+    prefill, decode = [], []
+    for r in range(1 if run.smoke else 2):
+        messages, _ = long_messages(run.tokenizer, SPEED_PROMPT_TOKENS, f"speed {os.getpid()} {r}")
+        row = await client.chat(run.http, messages, stream=True)
+        prefill.append(row.prompt / row.ttft)
+        decode.append(window_rate([row.arrivals], [row.output_tokens]))
+    return {"prompt tokens": row.prompt, "prefill tok/s": median(prefill),
+            "decode tok/s": median([d for d in decode if d] or [0.0])}
+
+
 WORKLOADS = {
     "multiturn": multiturn,
     "divergent": divergent,
@@ -479,6 +500,7 @@ WORKLOADS = {
     "memory": memory,
     "vision": vision,
     "admission": admission,
+    "speed": speed,
 }
 # Workloads that need a model with vision (run only on such a model).
 VISION_WORKLOADS = ("vision",)

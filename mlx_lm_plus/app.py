@@ -11,6 +11,7 @@ from aiohttp import web
 from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+from .cpu import log_blas
 from .anthropic_api import AnthropicProtocol
 from .api import RUNNER_OPTIONS, Server, make_app
 from .cache import PromptStore, default_budget
@@ -116,6 +117,7 @@ async def _drain(server: Server, timeout: float):
 
 def run(cli_args):
     maybe_set_recommended_wired_limit()
+    log_blas()
     engine, server = build(cli_args)
     engine.start()
     if mx.distributed.init().rank() != 0:

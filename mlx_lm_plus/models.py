@@ -30,6 +30,7 @@ import mlx.nn as nn
 import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
+from .cpu import weights_for_cpu
 from .vision import (
     configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
 )
@@ -440,9 +441,15 @@ class LoadedModel(UpstreamModelProvider):
                 return_config=True, trust_remote_code=self.cli_args.trust_remote_code)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
+        keep = getattr(self.cli_args, "keep_quantized", False)
+        grown = weights_for_cpu(model, keep)
+        if grown is not None:
+            logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
+                         f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = upstream.load(draft_model_path)
+            weights_for_cpu(draft_model, keep)
             if draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 logging.warning("Draft model tokenizer does not match model tokenizer. "
                                 "Speculative decoding may not work as expected.")
