@@ -1,0 +1,78 @@
+"""cpu.py: a fast BLAS loaded before MLX, and float32 weights where MLX runs
+on the CPU with it. (Its speed is the benchmark's: `python -m benchmarks run
+--model-kind demo --workload speed`.)"""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load
+
+from mlx_lm_plus import cpu
+
+PROBE = ("from mlx_lm_plus.cpu import preload_fast_blas; import sys; "
+         "first = preload_fast_blas(); import mlx.core; "
+         "from mlx_lm_plus import cpu; print(first, cpu.WHY_NOT is None)")
+
+
+def _probe(env_blas=None):
+    import os
+
+    env = dict(os.environ)
+    env.pop("MLX_LM_PLUS_BLAS", None)
+    if env_blas is not None:
+        env["MLX_LM_PLUS_BLAS"] = env_blas
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload is for Linux")
+def test_a_fast_blas_is_loaded_before_mlx_unless_told_not_to():
+    assert _probe("bundled")[0] == "None"
+    assert _probe("/nonexistent/libopenblas.so.0") == ["None", "False"]  # (and says why)
+    found = [p for p in cpu._candidates() if p]
+    if not found:
+        pytest.skip("no OpenBLAS on this machine (apt-get install libopenblas0-pthread)")
+    assert _probe()[0] == found[0]
+
+
+def test_too_late_once_mlx_is_loaded():
+    # (This process imported MLX long ago.)
+    assert "mlx.core" in sys.modules
+    if cpu.FAST_BLAS is None:
+        assert cpu.preload_fast_blas() is None and "MLX was loaded" in cpu.WHY_NOT
+
+
+def test_weights_made_float32_give_the_quantized_model_s_logits(fixture_path, monkeypatch):
+    """A quantized model's weights dequantized to float32: the same logits to
+    rounding; nothing happens without a fast BLAS, with --keep-quantized, or
+    off the CPU."""
+    model, tok = load(str(fixture_path("qwen3")))
+    nn.quantize(model, group_size=32, bits=4)
+    prompt = mx.array(tok.encode("The harbour master counted seven brass lanterns."))[None]
+    quantized = model(prompt)
+    monkeypatch.setattr(cpu, "FAST_BLAS", None)
+    assert cpu.weights_for_cpu(model) is None
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    assert cpu.weights_for_cpu(model, keep=True) is None
+    grown = cpu.weights_for_cpu(model)
+    assert grown > 0
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in model.named_modules())
+    assert all(v.dtype == mx.float32 for _, v in
+               __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
+    assert mx.allclose(model(prompt), quantized, atol=1e-3).item()
+
+
+def test_the_server_says_which_blas(fixture_path, tmp_path):
+    from compat.launch import OURS, ServerProcess
+
+    log = tmp_path / "server.log"
+    with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))], log=log):
+        pass
+    text = log.read_text()
+    assert "CPU matmuls on" in text and "GFLOP/s" in text, text[-2000:]
