@@ -24,8 +24,9 @@ environment variable is needed. Where: `MLX_LM_PLUS_BLAS` (a library's
 path, or "bundled" to keep the wheel's), else the first found of Debian's
 and Ubuntu's OpenBLAS (`libopenblas0-pthread`, which scripts/setup installs
 when it can), Fedora's, and `ctypes.util.find_library("openblas")`.
-Only on Linux, and only where MLX runs on the CPU: Metal and CUDA builds are
-left alone.
+Only on Linux; the weights only where MLX runs on the CPU and the measured
+rate is a fast BLAS's (at least 30 GFLOP/s), within the memory left for
+them. (On a CUDA build the library is loaded but unused.)
 """
 
 import ctypes
@@ -47,12 +48,20 @@ CANDIDATES = (
 # What preload_fast_blas loaded (None: the wheel's own BLAS), and why not.
 FAST_BLAS: Optional[str] = None
 WHY_NOT: Optional[str] = None
+# The CPU's fp32 matmul rate log_blas measured (None: not measured), and the
+# least at which weights are made float32 (the reference BLAS: about 8).
+RATE: Optional[float] = None
+FAST_GFLOPS = 30.0
 
 
 def _candidates():
+    global WHY_NOT
     chosen = os.environ.get("MLX_LM_PLUS_BLAS")
+    if chosen == "bundled":
+        WHY_NOT = "MLX_LM_PLUS_BLAS=bundled"
+        return []
     if chosen:
-        return [] if chosen == "bundled" else [chosen]
+        return [chosen]
     arch = platform.machine()
     paths = [p.format(arch=arch) for p in CANDIDATES]
     found = ctypes.util.find_library("openblas")
@@ -107,7 +116,8 @@ def log_blas() -> None:
     the CPU)."""
     if sys.platform != "linux" or not on_cpu():
         return
-    rate = gflops()
+    global RATE
+    rate = RATE = gflops()
     if FAST_BLAS:
         logging.info(f"CPU matmuls on {FAST_BLAS}: {rate:.0f} GFLOP/s (fp32)")
     else:
@@ -116,13 +126,40 @@ def log_blas() -> None:
             f"(fp32), a tenth to a thirtieth of the machine's ({WHY_NOT})")
 
 
-def weights_for_cpu(model, keep: bool = False) -> Optional[int]:
-    """Where MLX runs on the CPU with a fast BLAS (and not `keep`): the
+def converts(keep: bool = False) -> bool:
+    """Whether weights_for_cpu makes a model's weights float32 here."""
+    return (not keep and FAST_BLAS is not None and (RATE is None or RATE >= FAST_GFLOPS)
+            and on_cpu())
+
+
+def float32_bytes(model) -> int:
+    """The bytes `model`'s weights take as float32, dequantized."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += m.weight.size * (32 // m.bits) * 4  # (packed in uint32s)
+            total -= m.weight.nbytes + m.scales.nbytes + m.biases.nbytes
+    params = tree_flatten(model.parameters())
+    return total + sum(v.size * 4 if _floating(v) else v.nbytes for _, v in params)
+
+
+def _floating(v) -> bool:
+    import mlx.core as mx
+
+    return mx.issubdtype(v.dtype, mx.floating)
+
+
+def weights_for_cpu(model, keep: bool = False,
+                    room: Optional[int] = None) -> Optional[int]:
+    """Where MLX runs on the CPU with a fast BLAS (see `converts`): the
     model's quantized layers dequantized (mlx-lm's dequantize_model) and
     its floating weights made float32, which BLAS multiplies (see the
-    module doc). Returns the bytes the weights grew by, or None when left
-    as they were."""
-    if keep or FAST_BLAS is None or not on_cpu():
+    module doc), if they fit in `room` bytes. Returns the bytes the weights
+    grew by, or None when left as they were."""
+    if not converts(keep):
         return None
     import mlx.core as mx
     import mlx.nn as nn
@@ -132,10 +169,28 @@ def weights_for_cpu(model, keep: bool = False) -> Optional[int]:
     def nbytes():
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
-    before = nbytes()
+    before, after = nbytes(), float32_bytes(model)
+    if after == before:
+        return None  # (float32 already)
+    if room is not None and after > room:
+        logging.warning(
+            f"Weights kept as they are: as float32 for the CPU's BLAS they would take "
+            f"{after / 1e9:.2f} GB, more than the {room / 1e9:.2f} GB left for them "
+            "(--keep-quantized keeps every model's)")
+        return None
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
            for _, m in model.named_modules()):
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
     mx.eval(model.parameters())
     return nbytes() - before
+
+
+def weights_identity(model_converted: bool) -> str:
+    """What a disk tier's identity adds for how this process computes on the
+    CPU: KV computed from float32 weights or on another BLAS differs in its
+    last bits from the quantized model's, and would be read back as its."""
+    if not on_cpu():
+        return ""
+    blas = os.path.basename(FAST_BLAS) if FAST_BLAS else "bundled"
+    return f",cpu_blas={blas}" + (",weights=float32" if model_converted else "")

@@ -78,6 +78,7 @@ from patches import apply_all as _apply_patches
 from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
 from .models import group_max, loadable_fingerprint
 from .constraints import ConstraintError, processor_for
+from .cpu import weights_identity
 from .logs import warn_once
 from .reasoning import ThinkingBudget, thinking_budget
 from .prompt import (
@@ -1213,6 +1214,7 @@ class Engine:
 
         model, adapter, draft = key
         extra = f"bits={self.store.bits},group={self.store.group_size}"
+        extra += weights_identity(getattr(lm, "weights_float32", False))
         if args.kv_bits is not None:
             extra += (f",kv_bits={args.kv_bits},kv_group={args.kv_group_size},"
                       f"kv_start={args.quantized_kv_start}")

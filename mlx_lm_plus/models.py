@@ -30,7 +30,7 @@ import mlx.nn as nn
 import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
-from .cpu import weights_for_cpu
+from .cpu import converts, weights_for_cpu
 from .vision import (
     configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
 )
@@ -341,9 +341,13 @@ class LoadedModel(UpstreamModelProvider):
     """One loaded model: an upstream ModelProvider that holds only it, with
     how long it stays (the engine's residency fields)."""
 
-    def __init__(self, cli_args, key, pinned=False, ttl=None, sequential_vision=False):
+    def __init__(self, cli_args, key, pinned=False, ttl=None, sequential_vision=False,
+                 room_for_weights=None):
         super().__init__(cli_args)
         self.sequential_vision = sequential_vision
+        # Bytes its weights may take (cpu.weights_for_cpu; None: no bound).
+        self.room_for_weights = room_for_weights
+        self.weights_float32 = False
         self._load(*key)
         # Loaded on the loader thread and used on the generation thread: an
         # array left unevaluated here belongs to this thread's stream, and
@@ -442,14 +446,16 @@ class LoadedModel(UpstreamModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         keep = getattr(self.cli_args, "keep_quantized", False)
-        grown = weights_for_cpu(model, keep)
+        room = getattr(self, "room_for_weights", None)
+        grown = weights_for_cpu(model, keep, room)
+        self.weights_float32 = grown is not None
         if grown is not None:
             logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
                          f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = upstream.load(draft_model_path)
-            weights_for_cpu(draft_model, keep)
+            weights_for_cpu(draft_model, keep, None if room is None else room - (grown or 0))
             if draft_tokenizer.vocab_size != tokenizer.vocab_size:
                 logging.warning("Draft model tokenizer does not match model tokenizer. "
                                 "Speculative decoding may not work as expected.")
@@ -564,8 +570,15 @@ class ModelProvider:
         # (Under mx.distributed one model at a time, as upstream: none pinned.)
         pinned = any(e.pinned for e in entries) and not self.is_distributed
         ttl = next((e.ttl for e in entries if e.ttl is not None), None)
+        held = sum(m.nbytes for m in self.loaded.values())
+        cache = getattr(self.cli_args, "prompt_cache_bytes", None)
+        if cache is None:
+            from .cache import default_budget
+
+            cache = default_budget()
         lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl,
-                         sequential_vision=self._sequential_vision(key))
+                         sequential_vision=self._sequential_vision(key),
+                         room_for_weights=self.memory_budget() - held - cache)
         lm.load_seconds = time.perf_counter() - tic
         logging.info(f"Loaded model {key[0]} in {lm.load_seconds:.1f} s "
                      f"({lm.nbytes / 1e9:.2f} GB)")
@@ -628,8 +641,25 @@ class ModelProvider:
                 self._disk_bytes.clear()
             # (0 for a repo not downloaded yet: its size is known once it
             # loaded, `add`.)
-            self._disk_bytes[key[0]] = weights_bytes_on_disk(key[0])
+            self._disk_bytes[key[0]] = weights_bytes_on_disk(key[0]) * self._widening(key[0])
         return held + self._disk_bytes[key[0]] + extra_bytes <= self.memory_budget()
+
+    def _widening(self, path) -> int:
+        """How many times its size on disk a model's weights take once
+        loaded: float32 on a CPU with a fast BLAS (cpu.weights_for_cpu)
+        widens quantized and half-precision ones. (Once loaded, the size
+        measured replaces the estimate: `add`.)"""
+        if not converts(getattr(self.cli_args, "keep_quantized", False)):
+            return 1
+        try:
+            config = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError, TypeError):
+            return 1
+        bits = (config.get("quantization") or {}).get("bits") if isinstance(config, dict) else None
+        if isinstance(bits, int) and bits > 0:
+            return max(1, 32 // bits)
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
+        return 2 if dtype in ("bfloat16", "float16") else 1
 
     def vocab_size(self, key) -> Optional[int]:
         """The token ids a request for `key` may use (see

@@ -9,6 +9,14 @@ from tests.fixtures import (
 
 # Fixture models are local folders: nothing may wait on the Hugging Face hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Servers the tests start keep mlx[cpu]'s own BLAS (mlx_lm_plus/cpu.py), as
+# this process, which imports MLX first, does: the exactness tests compare
+# batched with single-row results and cached with cold ones, which a
+# blocked BLAS (OpenBLAS) rounds differently in their last bits, and a
+# random fixture's greedy tokens (or a 4-bit KV cache) turn that into other
+# tokens (test_kv_bits' batched == sequential failed so). tests/test_cpu.py
+# runs the fast path on purpose.
+os.environ.setdefault("MLX_LM_PLUS_BLAS", "bundled")
 
 
 @pytest.fixture(scope="session")

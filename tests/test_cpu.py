@@ -31,7 +31,8 @@ def _probe(env_blas=None):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preload is for Linux")
-def test_a_fast_blas_is_loaded_before_mlx_unless_told_not_to():
+def test_a_fast_blas_is_loaded_before_mlx_unless_told_not_to(monkeypatch):
+    monkeypatch.delenv("MLX_LM_PLUS_BLAS", raising=False)  # (conftest.py's)
     assert _probe("bundled")[0] == "None"
     assert _probe("/nonexistent/libopenblas.so.0") == ["None", "False"]  # (and says why)
     found = [p for p in cpu._candidates() if p]
@@ -41,10 +42,11 @@ def test_a_fast_blas_is_loaded_before_mlx_unless_told_not_to():
 
 
 def test_too_late_once_mlx_is_loaded():
-    # (This process imported MLX long ago.)
-    assert "mlx.core" in sys.modules
-    if cpu.FAST_BLAS is None:
-        assert cpu.preload_fast_blas() is None and "MLX was loaded" in cpu.WHY_NOT
+    code = ("import mlx.core; from mlx_lm_plus import cpu; "
+            "print(cpu.preload_fast_blas(), cpu.WHY_NOT)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.startswith("None MLX was loaded before"), (out.stdout, out.stderr)
 
 
 def test_weights_made_float32_give_the_quantized_model_s_logits(fixture_path, monkeypatch):
@@ -68,11 +70,40 @@ def test_weights_made_float32_give_the_quantized_model_s_logits(fixture_path, mo
     assert mx.allclose(model(prompt), quantized, atol=1e-3).item()
 
 
-def test_the_server_says_which_blas(fixture_path, tmp_path):
+def test_weights_that_would_not_fit_are_kept(fixture_path, monkeypatch):
+    model, _ = load(str(fixture_path("qwen3")))
+    nn.quantize(model, group_size=32, bits=4)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    need = cpu.float32_bytes(model)
+    assert cpu.weights_for_cpu(model, room=need - 1) is None
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    grown = cpu.weights_for_cpu(model, room=need)
+    from mlx.utils import tree_flatten
+
+    assert grown and sum(v.nbytes for _, v in tree_flatten(model.parameters())) == need
+    # A slow library (the measured rate): left alone.
+    monkeypatch.setattr(cpu, "RATE", 8.0)
+    assert not cpu.converts()
+
+
+def test_the_disk_tier_knows_how_the_weights_compute(monkeypatch):
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/usr/lib/x/libopenblas.so.0")
+    assert cpu.weights_identity(True) == ",cpu_blas=libopenblas.so.0,weights=float32"
+    monkeypatch.setattr(cpu, "FAST_BLAS", None)
+    assert cpu.weights_identity(False) == ",cpu_blas=bundled"
+
+
+def test_the_server_says_which_blas(fixture_path, tmp_path, monkeypatch):
     from compat.launch import OURS, ServerProcess
 
+    # (The other tests' servers keep the bundled BLAS: conftest.py.)
+    monkeypatch.delenv("MLX_LM_PLUS_BLAS", raising=False)
+    found = cpu._candidates()
     log = tmp_path / "server.log"
     with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))], log=log):
         pass
     text = log.read_text()
-    assert "CPU matmuls on" in text and "GFLOP/s" in text, text[-2000:]
+    if found:  # (the library it loaded, by name: not the reference BLAS's warning)
+        assert f"CPU matmuls on {found[0]}: " in text, text[-2000:]
+    else:
+        assert "CPU matmuls on the reference BLAS bundled with mlx[cpu]" in text
