@@ -447,7 +447,9 @@ class LoadedModel(UpstreamModelProvider):
             tokenizer.chat_template = tokenizer.default_chat_template
         keep = getattr(self.cli_args, "keep_quantized", False)
         room = getattr(self, "room_for_weights", None)
-        grown = weights_for_cpu(model, keep, room)
+        # (Not under mx.distributed: mlx-lm's sharded layers are not the
+        # quantized layers dequantize_model knows.)
+        grown = None if self.is_distributed else weights_for_cpu(model, keep, room)
         self.weights_float32 = grown is not None
         if grown is not None:
             logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
