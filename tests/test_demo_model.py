@@ -54,7 +54,9 @@ def test_greedy_answer_contains_paris(demo_path):
 
 
 def test_server_without_model_serves_the_demo(demo_cache, demo_path, tmp_path):
-    env = {"MLX_LM_PLUS_CACHE": str(demo_cache)}
+    # (With the BLAS the server finds, as a user's would: conftest.py keeps
+    # the bundled one for the exactness tests; "" means "look".)
+    env = {"MLX_LM_PLUS_CACHE": str(demo_cache), "MLX_LM_PLUS_BLAS": ""}
     with ServerProcess(OURS, [], env=env, log=tmp_path / "demo.log") as server:
         status, r = server.post("/v1/chat/completions",
                                 {"messages": QUESTION, "max_tokens": 10})
