@@ -38,6 +38,7 @@ from .validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
+    one_of,
     parse_request,
     refuse_foreign_enforcement,
 )
@@ -340,11 +341,7 @@ def _thinking(body: dict) -> Optional[bool]:
     if not isinstance(config, dict):
         raise RequestError("output_config: must be an object")
     effort = config.get("effort")
-    if effort is None:
-        return None
-    if not isinstance(effort, str) or effort not in THINKING_BY_EFFORT:
-        raise RequestError(f"output_config.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
-    return THINKING_BY_EFFORT[effort]
+    return None if effort is None else one_of(effort, THINKING_BY_EFFORT, "output_config.effort:")
 
 
 def to_chat_body(body: Any, count_only: bool = False,

@@ -84,6 +84,10 @@ OPEN_STREAM = (web.RequestKey("mlx_lm_plus.open_stream", web.StreamResponse)
 # What AsyncChannel.get returns when nothing came in time.
 IDLE = object()
 
+# A stream's heartbeat ticks this many times a KEEPALIVE_SECONDS: the longest
+# silence is KEEPALIVE_SECONDS and one tick.
+BEATS = 4
+
 # A stream that has sent no frame for this long gets a keepalive (Anthropic:
 # a ping event; chat completions and Responses: an SSE comment): clients give
 # up on a silent stream (Claude Code resent a request whose prefill ran for
@@ -101,11 +105,8 @@ class _Pulse:
     def __init__(self):
         self.last = time.monotonic()
 
-    def wait(self) -> float:
-        return max(0.0, self.last + KEEPALIVE_SECONDS - time.monotonic())
-
     def due(self) -> bool:
-        return self.wait() == 0.0
+        return time.monotonic() - self.last >= KEEPALIVE_SECONDS
 
     def beat(self) -> None:
         self.last = time.monotonic()
@@ -124,6 +125,7 @@ class AsyncChannel(Channel):
         self._loop = loop
         self._items = collections.deque()
         self._waiter: Optional[asyncio.Future] = None
+        self._ticked = False  # the heartbeat ticked (beat_every)
 
     def put(self, item):
         try:
@@ -146,38 +148,47 @@ class AsyncChannel(Channel):
 
     def _append(self, item):
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._append_nothing()
 
-    async def get(self, timeout: Optional[float] = None):
-        """The next event; IDLE if none came within `timeout` seconds."""
+    async def get(self):
+        """The next event; IDLE when the heartbeat (`beat_every`) ticked
+        since the last IDLE and nothing came."""
         while not self._items:
+            if self._ticked:
+                self._ticked = False
+                return IDLE
             self._waiter = self._loop.create_future()
-            # A timer that wakes the waiter, not asyncio.wait_for: on Python
-            # 3.11 wait_for returns a result that arrived in the same loop
-            # iteration as the task's cancellation and drops the cancellation
-            # (a client's disconnect, then unnoticed until the next write).
-            timer = None if timeout is None else self._loop.call_later(
-                timeout, _wake, self._waiter)
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
-            if timer is not None and not self._items:
-                return IDLE
         return self._items.popleft()
+
+    def beat_every(self, seconds: float) -> None:
+        """Tick every `seconds` until cancelled, so that a handler waiting
+        for events gets IDLE now and then (keepalives). One timer a stream,
+        not one a token: a timer armed and cancelled for every event cost
+        the loop 1.7 us a token. (Not asyncio.wait_for either: on Python
+        3.11 it returns a result that arrived in the same loop iteration as
+        the task's cancellation, dropping the cancellation.)"""
+        if not self.cancelled:
+            self._loop.call_later(seconds, self._tick, seconds)
+
+    def _tick(self, seconds: float) -> None:
+        if self.cancelled:
+            return
+        self._ticked = True
+        self._append_nothing()
+        self.beat_every(seconds)
+
+    def _append_nothing(self):
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def ready(self) -> bool:
         """Whether `get` would return at once."""
         return bool(self._items)
-
-
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _append_all(events):
@@ -882,18 +893,21 @@ class Server:
             return self.unavailable(request, str(e))
 
         try:
-            wait = KEEPALIVE_SECONDS if parsed.stream else None
-            first = await channel.get(wait)
+            pulse = _Pulse()
+            if parsed.stream:
+                channel.beat_every(KEEPALIVE_SECONDS / BEATS)
+            first = await channel.get()
             opened = None  # a stream opened before acceptance, for keepalives
             while isinstance(first, tuple) or first is IDLE:
                 # Waiting in the queue, or progress before acceptance (images
                 # through the vision tower): a stream gets keepalives, as
                 # during prefill. (Comments only: a protocol's own events
                 # come after its first frames.)
-                if parsed.stream:
+                if parsed.stream and (first is not IDLE or pulse.due()):
                     opened = opened or await self._open_stream(request)
                     await opened.write(_keepalive(first))
-                first = await channel.get(wait)
+                    pulse.beat()
+                first = await channel.get()
             if isinstance(first, Exception) and opened is not None:
                 return await self._end_stream(opened, track, str(first), _status_of(first))
             if isinstance(first, EngineUnavailable):
@@ -965,7 +979,7 @@ class Server:
             while True:
                 if not channel.ready():
                     await _write_all(response, pending)
-                item = await channel.get(pulse.wait() if response is not None else None)
+                item = await channel.get()
                 if item is None:
                     break
                 if item is IDLE or isinstance(item, tuple):
@@ -1087,15 +1101,17 @@ class Server:
         while True:
             if not channel.ready():
                 await _write_all(response, pending)
-            item = await channel.get(pulse.wait())
+            item = await channel.get()
             if item is None:
                 break
             if isinstance(item, Exception):
                 await _write_all(response, pending)
                 return await self._end_stream(response, track, str(item), 500)
-            if isinstance(item, tuple) or item is IDLE:
+            if isinstance(item, tuple) or (item is IDLE and pulse.due()):
                 pending.append(_keepalive(item))
                 pulse.beat()
+                continue
+            if item is IDLE:
                 continue
             if track.first is None:
                 track.first = time.perf_counter()

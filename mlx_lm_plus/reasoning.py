@@ -117,8 +117,9 @@ class ThinkingBudget:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.state == _DONE:
             return logits
-        token = self._step(tokens[-1].item() if self._calls else None)
-        return logits if token is None else _only(logits, token)
+        # (A batch of one: the token sampled at the last step, read now.)
+        newest = tokens[-1].item() if self._calls else None
+        return ThinkingBudget.process_batch(logits, [(0, self, None, newest)])
 
     def _step(self, newest: Optional[int]) -> Optional[int]:
         """Take the token fed at this step (the one sampled at the last;
@@ -148,11 +149,3 @@ class ThinkingBudget:
             if self._recent == self._end:  # the model closed it itself
                 self.state = _DONE
 
-
-def _only(logits: mx.array, token: int) -> mx.array:
-    """Logits that allow `token` alone (at 0: whatever the model gave it)."""
-    vocab = logits.shape[-1]
-    if token >= vocab:
-        return logits  # (can't be forced: max_tokens ends the request)
-    row = mx.where(mx.arange(vocab) == token, 0.0, -mx.inf).astype(logits.dtype)
-    return mx.broadcast_to(row, logits.shape)

@@ -57,6 +57,7 @@ from .validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
+    one_of,
     parse_request,
     refuse_foreign_enforcement,
 )
@@ -630,14 +631,13 @@ def _reasoning(reasoning) -> Tuple[dict, Optional[bool]]:
     if not isinstance(reasoning, dict):
         raise RequestError("reasoning: must be an object")
     effort = reasoning.get("effort")
-    if effort is not None and (not isinstance(effort, str) or effort not in THINKING_BY_EFFORT):
-        raise RequestError(f"reasoning.effort: must be one of {', '.join(THINKING_BY_EFFORT)}")
+    thinking = None if effort is None else one_of(effort, THINKING_BY_EFFORT, "reasoning.effort:")
     summary = reasoning.get("summary")
     if summary is not None and (not isinstance(summary, str)
                                 or summary not in ("auto", "concise", "detailed")):
         raise RequestError("reasoning.summary: must be 'auto', 'concise' or 'detailed'")
     echo = {"effort": effort, "summary": summary}
-    return echo, (None if effort is None else THINKING_BY_EFFORT[effort])
+    return echo, thinking
 
 
 def _check(body: dict, name: str, types, what: str, default=None):

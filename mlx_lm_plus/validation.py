@@ -515,6 +515,14 @@ def parse_request(
     )
 
 
+def one_of(value, table: Dict[str, Any], what: str):
+    """`table[value]` for a level a request names (an effort), else a 400
+    that lists the levels. `what`: the field, as the message starts."""
+    if not isinstance(value, str) or value not in table:
+        raise RequestError(f"{what} must be one of {', '.join(table)}")
+    return table[value]
+
+
 def _thinking_budget(body: Dict[str, Any]) -> Optional[int]:
     """thinking_budget (tokens), else reasoning_effort (OpenAI's: a level)."""
     budget = body.get("thinking_budget")
@@ -523,11 +531,7 @@ def _thinking_budget(body: Dict[str, Any]) -> Optional[int]:
             raise RequestError("thinking_budget must be a non-negative integer")
         return budget
     effort = body.get("reasoning_effort")
-    if effort is None:
-        return None
-    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:
-        raise RequestError(f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}")
-    return EFFORT_BUDGETS[effort]
+    return None if effort is None else one_of(effort, EFFORT_BUDGETS, "reasoning_effort")
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")

@@ -78,13 +78,17 @@ async def served(aiohttp_client, app):
     return await aiohttp_client(test_server)
 
 
-def make_client(aiohttp_client, engine, argv=()):
+def make_client(aiohttp_client, engine, argv=(), protocols=()):
+    """A test client of a Server on `engine` serving model "m", with the
+    wire `protocols` added (chat completions alone by default)."""
     args = parse_args(["--model", "m", *argv])
     provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
                          key_for=lambda desc: (desc.model, desc.adapter, None),
                          defaults_for=lambda name: args, name_for=lambda key: "m",
                          vocab_size=lambda key: None)
     server = Server(args, engine, provider, "fp")
+    for protocol in protocols:
+        server.add_protocol(protocol)
     return served(aiohttp_client, make_app(server))
 
 
@@ -586,15 +590,9 @@ async def test_images_are_checked_off_the_event_loop(aiohttp_client, aiohttp_ser
     host = await aiohttp_server(images)
 
     engine = ScriptedEngine([ctx(), *tokens("ok", "")])
-    args = parse_args(["--model", "m", "--allow-remote-images",
-                       "--allow-private-image-hosts"])
-    provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
-                         key_for=lambda desc: (desc.model, desc.adapter, None),
-                         defaults_for=lambda name: args, name_for=lambda key: "m",
-                         vocab_size=lambda key: None)
-    server = Server(args, engine, provider, "fp")
-    server.add_protocol(AnthropicProtocol())
-    client = await served(aiohttp_client, make_app(server))
+    client = await make_client(aiohttp_client, engine,
+                               ["--allow-remote-images", "--allow-private-image-hosts"],
+                               [AnthropicProtocol()])
     loop_thread = threading.get_ident()
 
     def chat(url):
@@ -632,15 +630,8 @@ async def test_silent_streams_get_keepalives_on_a_timer(aiohttp_client, monkeypa
     monkeypatch.setattr(api, "KEEPALIVE_SECONDS", 0.05)
     pause = lambda ch: time_module.sleep(0.4)  # noqa: E731
     engine = ScriptedEngine([pause, ctx(), pause, *tokens("Hel", "lo", "")])
-    args = parse_args(["--model", "m"])
-    provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
-                         key_for=lambda desc: (desc.model, desc.adapter, None),
-                         defaults_for=lambda name: args, name_for=lambda key: "m",
-                         vocab_size=lambda key: None)
-    server = Server(args, engine, provider, "fp")
-    server.add_protocol(AnthropicProtocol())
-    server.add_protocol(ResponsesProtocol())
-    client = await served(aiohttp_client, make_app(server))
+    client = await make_client(aiohttp_client, engine,
+                               protocols=[AnthropicProtocol(), ResponsesProtocol()])
     body = {"model": "m", "max_tokens": 4, "stream": True,
             "messages": [{"role": "user", "content": "x"}]}
     if path == "/v1/responses":
@@ -700,15 +691,8 @@ async def test_a_long_tool_call_is_not_silence(aiohttp_client, monkeypatch, path
     script = [_tool_ctx()]
     for r in tokens(*pieces):
         script += [slow, r] if r is not None else [None]
-    args = parse_args(["--model", "m"])
-    provider = Namespace(is_served=lambda d: True, get=lambda k: None, served=["m"],
-                         key_for=lambda d: (d.model, d.adapter, None),
-                         defaults_for=lambda n: args, name_for=lambda k: "m",
-                         vocab_size=lambda k: None)
-    server = Server(args, ScriptedEngine(script), provider, "fp")
-    server.add_protocol(AnthropicProtocol())
-    server.add_protocol(ResponsesProtocol())
-    client = await served(aiohttp_client, make_app(server))
+    client = await make_client(aiohttp_client, ScriptedEngine(script),
+                               protocols=[AnthropicProtocol(), ResponsesProtocol()])
     tool = {"name": "f", "parameters": {"type": "object"}}
     chat = {"max_tokens": 99, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     body = {
@@ -732,7 +716,7 @@ async def test_a_long_tool_call_is_not_silence(aiohttp_client, monkeypatch, path
 
 async def test_a_disconnect_is_not_lost_to_an_arriving_event():
     """A handler cancelled (its client left) in the same loop iteration as an
-    event arrives is cancelled, whether it waits with a timeout or not
+    event arrives is cancelled, whether its channel has a heartbeat or not
     (asyncio.wait_for on Python 3.11 returned the event and dropped the
     cancellation)."""
     from mlx_lm_plus.api import IDLE, AsyncChannel
@@ -741,10 +725,12 @@ async def test_a_disconnect_is_not_lost_to_an_arriving_event():
     for timeout in (None, 10.0):
         for _ in range(20):
             channel = AsyncChannel(loop)
+            if timeout is not None:
+                channel.beat_every(timeout)
 
             async def handler():
                 try:
-                    await channel.get(timeout)
+                    await channel.get()
                     await asyncio.sleep(0.01)
                     return "went on"
                 except asyncio.CancelledError:
@@ -758,6 +744,10 @@ async def test_a_disconnect_is_not_lost_to_an_arriving_event():
     # An event that comes as the wait ends is never lost.
     for _ in range(50):
         channel = AsyncChannel(loop)
+        channel.beat_every(0.001)
         loop.call_later(0.001, channel._append, "x")
-        got = await channel.get(0.001)
-        assert got == "x" or (got is IDLE and await channel.get(1.0) == "x")
+        got = await channel.get()
+        while got is IDLE:  # (ticks before it, as a wait ends)
+            got = await channel.get()
+        assert got == "x"
+        channel.cancel()
