@@ -50,7 +50,7 @@ def resolve_model(args, work: Path) -> str:
     """The model both servers get: a folder here is made absolute (a server
     run in another checkout, --against-tree, resolves a relative one there)."""
     if not args.model and args.model_kind == "demo":
-        from mlx_lm_plus.demo import demo_model_path
+        from mlx_lm_plus.models.demo import demo_model_path
 
         return str(demo_model_path())
     args.model_kind = KINDS.get(args.model_kind, args.model_kind)
@@ -202,7 +202,7 @@ def main(argv=None):
     names = list(WORKLOADS) if args.all or not args.workload else args.workload
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-bench-"))
     model = resolve_model(args, work)
-    from mlx_lm_plus.vision import is_vision_model
+    from mlx_lm_plus.models.vision import is_vision_model
 
     if not is_vision_model(model):
         names = [n for n in names if n not in VISION_WORKLOADS]

@@ -77,7 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.harness import fixture_or_model
 from compat.launch import OURS, UPSTREAM, ServerProcess
-from mlx_lm_plus.prompt import common_prefix
+from mlx_lm_plus.planning.prompt import common_prefix
 
 SYSTEM = """\
 You are an interactive command-line coding agent. You help the user with \
@@ -452,7 +452,7 @@ def strips_billing_header() -> bool:
     """Whether this server has --strip-billing-header (for /v1/messages)."""
     import inspect
 
-    from mlx_lm_plus.anthropic_api import to_chat_body
+    from mlx_lm_plus.protocols.anthropic import to_chat_body
 
     return "strip_billing_header" in inspect.signature(to_chat_body).parameters
 
@@ -467,11 +467,11 @@ def keeps_billing_header() -> bool:
 
 def api_form(api: str, messages: List[dict], tools: List[dict], strip: bool = False):
     """(messages, tools) as the server gets them from this API's body: the
-    API module's own translation (`to_chat_body` of mlx_lm_plus.anthropic_api
-    and mlx_lm_plus.responses_api), else the chat form itself. `strip`: as
+    API module's own translation (`to_chat_body` of mlx_lm_plus.protocols.anthropic
+    and mlx_lm_plus.protocols.responses), else the chat form itself. `strip`: as
     with --strip-billing-header."""
     if api == "messages":
-        from mlx_lm_plus.anthropic_api import to_chat_body
+        from mlx_lm_plus.protocols.anthropic import to_chat_body
 
         body = {"model": "m", "max_tokens": 1, **to_anthropic(messages, tools)}
         disabled = logging.root.manager.disable
@@ -482,7 +482,7 @@ def api_form(api: str, messages: List[dict], tools: List[dict], strip: bool = Fa
             logging.disable(disabled)
     elif api == "responses":
         try:
-            from mlx_lm_plus.responses_api import ResponseStore, to_chat_body
+            from mlx_lm_plus.protocols.responses import ResponseStore, to_chat_body
 
             chat, _ = to_chat_body({"model": "m", "store": False,
                                     **to_responses(messages, tools)}, ResponseStore())
@@ -505,7 +505,7 @@ def last_checkpoint(tokenizer, messages, tools, tokens) -> int:
     turn's prompt: the end of this conversation as the next turn renders it
     (prompt.py's last boundary, which it drops from the conversation's own
     prompt where it falls at the very end)."""
-    from mlx_lm_plus.prompt import checkpoint_positions
+    from mlx_lm_plus.planning.prompt import checkpoint_positions
 
     kwargs = dict(tools=tools, tokenize=True)
     found = checkpoint_positions(tokenizer, server_messages(messages), tokens, kwargs)

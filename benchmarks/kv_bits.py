@@ -101,7 +101,7 @@ def peak_batch_kv(model_path: str, bits: List[Optional[int]], clients: int,
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_lm_plus.quantized_batch import QuantizedBatchGenerator
+    from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
 
     model, tokenizer = load(model_path)
     prompts = [tokenizer.apply_chat_template(messages(i, 0), add_generation_prompt=True)

@@ -52,8 +52,8 @@ def accounted_overhead(tokens_per_s: float, clients: int, max_tokens: int) -> di
     import timeit
     from types import SimpleNamespace
 
-    from mlx_lm_plus.cache import PromptStore
-    from mlx_lm_plus.metrics import Metrics, RequestRecord
+    from mlx_lm_plus.cache.store import PromptStore
+    from mlx_lm_plus.http.metrics import Metrics, RequestRecord
 
     log = tempfile.NamedTemporaryFile(suffix=".log", delete=False)
     logging.basicConfig(filename=log.name, level=logging.INFO, force=True)

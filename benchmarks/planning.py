@@ -18,8 +18,8 @@ from mlx_lm.server import CompletionRequest
 from mlx_lm.utils import load_tokenizer
 
 from benchmarks.harness import add_model_args, fixture_or_model
-from mlx_lm_plus import prompt
-from mlx_lm_plus.prompt import build_prompt
+from mlx_lm_plus.planning import prompt
+from mlx_lm_plus.planning.prompt import build_prompt
 from tests.fixtures import WORDS
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_lm_plus.cache import PromptStore
-from mlx_lm_plus.prompt import common_prefix
+from mlx_lm_plus.cache.store import PromptStore
+from mlx_lm_plus.planning.prompt import common_prefix
 
 SYSTEM = ("You are a careful assistant for a small town library. You answer in "
           "plain sentences, you give dates and names when you know them, and "
@@ -192,7 +192,7 @@ def main(argv=None):
 
             model_path = str(build_fixture("qwen3_mid", Path(tempfile.mkdtemp(prefix="bench-"))))
     if model_path is None:
-        from mlx_lm_plus.demo import demo_model_path
+        from mlx_lm_plus.models.demo import demo_model_path
 
         model_path = str(demo_model_path())
     from mlx_lm import load

@@ -220,7 +220,7 @@ def measure(model, tokens, turns, max_tokens, work: Path, restarts: int = 3):
 
 LOAD_ONCE = """
 import sys, time
-from mlx_lm_plus.disk_cache import DiskTier
+from mlx_lm_plus.cache.disk import DiskTier
 tier = DiskTier(sys.argv[1], 1 << 40, "load")
 (handle,) = tier._entries.values()
 tic = time.perf_counter()
@@ -239,7 +239,7 @@ def measure_load(tokens: int, runs: int, work: Path, layers: int = 30, heads: in
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlx_lm_plus.disk_cache import DiskTier
+    from mlx_lm_plus.cache.disk import DiskTier
 
     cache = []
     for _ in range(layers):
@@ -309,7 +309,7 @@ def main(argv=None):
 
             model = str(build_fixture("qwen3", work / "fixtures"))
     if model is None:
-        from mlx_lm_plus.demo import demo_model_path
+        from mlx_lm_plus.models.demo import demo_model_path
 
         model = str(demo_model_path())
     tic = time.perf_counter()

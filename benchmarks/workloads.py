@@ -475,7 +475,7 @@ async def speed(run: Run) -> Dict[str, Any]:
     """One request at a time, nothing cached: prefill tok/s (prompt tokens
     over the time to the first token) of a ~512-token prompt, and decode
     tok/s (from the first streamed token to the last) of 48 tokens. What a
-    CPU's BLAS and weight format decide (mlx_lm_plus/cpu.py)."""
+    CPU's BLAS and weight format decide (mlx_lm_plus/models/cpu.py)."""
     client = run.client(8 if run.smoke else SPEED_DECODE_TOKENS)
     await client.chat(run.http, overhead_messages(0, "warm-up "), stream=True, record=False)
     prefill, decode = [], []

@@ -8,7 +8,7 @@ def main(argv=None):
     if not argv or argv[0] != "server":
         print("usage: python -m mlx_lm_plus server [mlx_lm.server flags]", file=sys.stderr)
         sys.exit(2)
-    from .server import main as server_main
+    from mlx_lm_plus.server import main as server_main
 
     server_main(argv[1:])
 

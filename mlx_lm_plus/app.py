@@ -11,15 +11,15 @@ from aiohttp import web
 from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .cpu import log_blas
-from .anthropic_api import AnthropicProtocol
-from .api import RUNNER_OPTIONS, Server, make_app
-from .cache import PromptStore, default_budget
-from .connections import LimitedRunner
-from .engine import HANG_EXIT_STATUS, Engine
-from .metrics import Metrics
-from .models import ModelProvider, resolve_default_model
-from .responses_api import ResponsesProtocol
+from mlx_lm_plus.models.cpu import log_blas
+from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
+from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server, make_app
+from mlx_lm_plus.cache.store import PromptStore, default_budget
+from mlx_lm_plus.http.connections import LimitedRunner
+from mlx_lm_plus.engine.engine import HANG_EXIT_STATUS, Engine
+from mlx_lm_plus.http.metrics import Metrics
+from mlx_lm_plus.models.provider import ModelProvider, resolve_default_model
+from mlx_lm_plus.protocols.responses import ResponsesProtocol
 
 
 def build(cli_args):

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from .cpu import preload_fast_blas
+from mlx_lm_plus.models.cpu import preload_fast_blas
 
 preload_fast_blas()  # before anything loads MLX (cpu.py)
 
@@ -532,7 +532,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.models_dir and not os.path.isdir(args.models_dir):
         parser.error(f"--models-dir {args.models_dir}: not a directory")
     if args.models_config or args.models_dir or len(args.models) > 1:
-        from .models import served_set
+        from mlx_lm_plus.models.provider import served_set
 
         try:  # (a bad config stops the server here, not at a request)
             served_set(args)
@@ -572,7 +572,7 @@ def main(argv=None):
         level=getattr(logging, args.log_level.upper(), None),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
-    from .app import run
+    from mlx_lm_plus.app import run
 
     run(args)
 

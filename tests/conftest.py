@@ -9,7 +9,7 @@ from tests.fixtures import (
 
 # Fixture models are local folders: nothing may wait on the Hugging Face hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Servers the tests start keep mlx[cpu]'s own BLAS (mlx_lm_plus/cpu.py), as
+# Servers the tests start keep mlx[cpu]'s own BLAS (mlx_lm_plus/models/cpu.py), as
 # this process, which imports MLX first, does: the exactness tests compare
 # batched with single-row results and cached with cold ones, which a
 # blocked BLAS (OpenBLAS) rounds differently in their last bits, and a

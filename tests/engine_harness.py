@@ -6,11 +6,11 @@ import time
 
 from mlx_lm.server import Response
 
-from mlx_lm_plus.cache import PromptStore
-from mlx_lm_plus.engine import Channel, Engine
-from mlx_lm_plus.models import ModelProvider
+from mlx_lm_plus.cache.store import PromptStore
+from mlx_lm_plus.engine.engine import Channel, Engine
+from mlx_lm_plus.models.provider import ModelProvider
 from mlx_lm_plus.server import parse_args
-from mlx_lm_plus.validation import parse_request
+from mlx_lm_plus.protocols.validation import parse_request
 
 
 class Collect(Channel):

@@ -829,7 +829,7 @@ def build_agent_fixture(root) -> Path:
     54k tokens), their turns end as a model's do, and long contexts fit
     (max_position_embeddings 131072). Not for cached == cold tests: its
     output ignores the context."""
-    from mlx_lm_plus.demo import demo_model_path
+    from mlx_lm_plus.models.demo import demo_model_path
 
     return _build_chain_fixture(Path(root) / AGENT_KIND, demo_model_path(), 49152,
                                 AGENT_CHAIN, AGENT_EOS)

@@ -6,7 +6,7 @@ hangs admitting a request that says "HANG_ADMIT", or planning one that says
 import sys
 import time
 
-from mlx_lm_plus import engine
+from mlx_lm_plus.engine import engine
 from mlx_lm_plus.server import main
 
 _prepare, _step = engine.Engine._prepare, engine._Batch.step

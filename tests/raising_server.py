@@ -6,7 +6,7 @@ error it did not expect."""
 
 import sys
 
-from mlx_lm_plus import responses, responses_api
+from mlx_lm_plus.protocols import assembler as responses; from mlx_lm_plus.protocols import responses as responses_api
 from mlx_lm_plus.server import main
 
 _finish = responses.CompletionAssembler.finish

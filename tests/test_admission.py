@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mlx_lm_plus.engine import prefill_chunk
+from mlx_lm_plus.engine.engine import prefill_chunk
 from tests.engine_harness import EngineRunner
 from tests.test_vision import image_part, noise, user
 
@@ -161,7 +161,7 @@ def test_a_finished_prompt_gets_its_first_token_before_another_prompts_chunk(fix
             f"Item {i} is blue." for i in range(120))}], "max_tokens": 4}
         runner.run({**short, "max_tokens": 1})  # (compiled shapes; then a fresh store)
         runner.engine.store.clear()
-        from mlx_lm_plus.validation import parse_request
+        from mlx_lm_plus.protocols.validation import parse_request
 
         with model_calls(runner.loaded.model, "__call__", into=events):
             a = Short()
@@ -212,7 +212,7 @@ def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
     chunk (a long prompt still goes in)."""
     import mlx.core as mx
 
-    from mlx_lm_plus.engine import FIRST_TOKEN_STEPS, _Batch
+    from mlx_lm_plus.engine.engine import FIRST_TOKEN_STEPS, _Batch
 
     runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", str(STEP)])
     try:
@@ -248,7 +248,7 @@ def words_body(words, topic, max_tokens=4, **extra):
 
 def submit_planned(runner, body, channel):
     """Submit `body` planned ahead, as the HTTP layer does; returns `channel`."""
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     parsed = parse_request("/v1/chat/completions", body, runner.args)
     parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
@@ -263,7 +263,7 @@ def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
     Each reply is the one it gets alone."""
     import threading
 
-    from mlx_lm_plus import engine as engine_module
+    from mlx_lm_plus.engine import engine as engine_module
     from tests.engine_harness import Collect
 
     bodies = {"long": words_body(60, "Apple"), "medium": words_body(30, "Pear"),
@@ -368,7 +368,7 @@ def _wave_steps(fixture_path, monkeypatch, arriving: bool, gap: float):
     import threading
     import time
 
-    from mlx_lm_plus import engine as engine_module
+    from mlx_lm_plus.engine import engine as engine_module
     from tests.engine_harness import EngineRunner
 
     runner = EngineRunner(fixture_path("qwen3_5"))

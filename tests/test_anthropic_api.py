@@ -14,9 +14,9 @@ import anthropic
 import pytest
 
 from compat.launch import OURS, ServerProcess
-from mlx_lm_plus.anthropic_api import MessagesExchange, to_chat_body
-from mlx_lm_plus.replay import open_sealed
-from mlx_lm_plus.wire import Completion
+from mlx_lm_plus.protocols.anthropic import MessagesExchange, to_chat_body
+from mlx_lm_plus.protocols.replay import open_sealed
+from mlx_lm_plus.protocols.base import Completion
 
 SYSTEM = "You are a terse assistant. Answer in one line."
 
@@ -330,7 +330,7 @@ def test_billing_header_removed_by_default_kept_on_request():
     """The server strips Claude Code's billing line unless told to keep it
     (--keep-billing-header): the line differs between sessions, and a
     session's shared system prompt is only reused by the next without it."""
-    from mlx_lm_plus.anthropic_api import AnthropicProtocol
+    from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
     from mlx_lm_plus.app import build
     from mlx_lm_plus.server import parse_args
 

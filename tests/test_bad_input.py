@@ -319,7 +319,7 @@ def test_an_error_inside_the_engine_fails_only_that_request(fixture_path):
         assert runner.run(chat())[0]
         good = runner.submit(chat())
         # A stop word that is not a string, as if validation had missed it.
-        from mlx_lm_plus.validation import parse_request
+        from mlx_lm_plus.protocols.validation import parse_request
 
         parsed = parse_request(CHAT, chat(), runner.args)
         parsed.args.stop_words = [1, 2]
@@ -340,8 +340,8 @@ def test_a_request_that_breaks_admission_is_answered(fixture_path):
     """A value that raises in the engine's model lookup (an unhashable
     draft_model, as if validation had missed it) is answered with a 500
     InternalError; the loop neither crashes nor restarts."""
-    from mlx_lm_plus.engine import InternalError
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.engine.engine import InternalError
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect, EngineRunner
 
     runner = EngineRunner(fixture_path("qwen3"), argv=["--allow-model-loading"])
@@ -363,7 +363,7 @@ def test_stop_strings_and_penalty_look_backs_are_bounded():
     """A stop list's state machines cost as much as its text (a 2 MB list
     took 10 s to build, stalling every stream, and kept 900 MB); a look-back
     past 32-bit indices failed the whole batch step. Both are 400s."""
-    from mlx_lm_plus.validation import (
+    from mlx_lm_plus.protocols.validation import (
         MAX_CONTEXT_SIZE,
         MAX_STOP_CHARACTERS,
         MAX_STOP_STRINGS,
@@ -390,12 +390,12 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     into chat messages on the event loop, several into one (a turn's tool
     calls): 4 x --max-messages of them at most, checked first (800,000
     function_call items stalled every stream for 8 s to get a 400)."""
-    from mlx_lm_plus.anthropic_api import AnthropicProtocol
-    from mlx_lm_plus.responses_api import ResponsesProtocol
+    from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
+    from mlx_lm_plus.protocols.responses import ResponsesProtocol
     from mlx_lm_plus.server import parse_args
-    from mlx_lm_plus.validation import RequestError
+    from mlx_lm_plus.protocols.validation import RequestError
 
-    from mlx_lm_plus.validation import count_items
+    from mlx_lm_plus.protocols.validation import count_items
 
     class Unwalked(list):  # (a list the count must not walk once past its limit)
         def __iter__(self):
@@ -447,9 +447,9 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
     tokenized."""
     from mlx_lm.server import CompletionRequest
 
-    from mlx_lm_plus import engine as engine_module
-    from mlx_lm_plus.models import context_length
-    from mlx_lm_plus.prompt import DEFAULT_ROLE_CHARS, check_prompt_size, prompt_chars
+    from mlx_lm_plus.engine import engine as engine_module
+    from mlx_lm_plus.models.provider import context_length
+    from mlx_lm_plus.planning.prompt import DEFAULT_ROLE_CHARS, check_prompt_size, prompt_chars
     from tests.engine_harness import EngineRunner
 
     url = "data:image/png;base64," + "A" * 9000
@@ -513,8 +513,8 @@ def test_images_to_a_text_model_fail_without_waiting_for_the_batch(fixture_path)
     and at admission beside a running request: it used to be set aside for
     the sequential path, and answered its 400 only once the batch had
     drained (every running request finished)."""
-    from mlx_lm_plus.engine import PromptError
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.engine.engine import PromptError
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import EngineRunner
 
     runner = EngineRunner(fixture_path("qwen3"))
@@ -586,7 +586,7 @@ def test_nesting_at_the_parsers_edge_never_breaks_a_stream(server):
     server's bound (bodies.MAX_JSON_DEPTH) and around json's own limit: a
     4xx JSON error, or a 200 that ends in its protocol's way; the server
     stays healthy."""
-    from mlx_lm_plus.bodies import MAX_JSON_DEPTH
+    from mlx_lm_plus.http.bodies import MAX_JSON_DEPTH
 
     # (The bodies place the nested value 4 to 6 levels down.)
     depths = [MAX_JSON_DEPTH - 8, MAX_JSON_DEPTH - 4, MAX_JSON_DEPTH,

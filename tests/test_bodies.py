@@ -1,5 +1,5 @@
 """Request bodies parsed with their data URLs' base64 cut out first
-(mlx_lm_plus/bodies.py): the same values and errors as json.loads, with
+(mlx_lm_plus/http/bodies.py): the same values and errors as json.loads, with
 only a skeleton going through the parser in one call."""
 
 import base64
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_lm_plus import bodies
-from mlx_lm_plus.bodies import BodyError, parse_body
+from mlx_lm_plus.http import bodies
+from mlx_lm_plus.http.bodies import BodyError, parse_body
 
 
 def image_url(n: int) -> str:
@@ -92,7 +92,7 @@ def test_b64decode_in_pieces_is_base64s(monkeypatch, validate):
     whole call, ~2 ms a MB): the bytes, and the errors, of one call."""
     import binascii
 
-    from mlx_lm_plus.bodies import b64decode
+    from mlx_lm_plus.http.bodies import b64decode
 
     monkeypatch.setattr(bodies, "B64_PIECE_CHARS", 8)
     calls = []
@@ -136,8 +136,8 @@ def test_the_nesting_bound_counts_brackets_outside_strings_only(monkeypatch):
     backslashes, the depth) and whole."""
     import random
 
-    from mlx_lm_plus import bodies
-    from mlx_lm_plus.bodies import BodyError, check_depth
+    from mlx_lm_plus.http import bodies
+    from mlx_lm_plus.http.bodies import BodyError, check_depth
 
     rng = random.Random(7)
     strings = ["x", 'a"b[', "\\", "]}{[", "é{", '\\"[[', "\\\\", '"']
@@ -168,7 +168,7 @@ def test_the_nesting_bound_takes_linear_time_on_what_a_regex_choked_on():
     the parsed value took 1.7 s for 8 MB of empty lists. Both shapes, and
     short strings, at 8 MB: answered (the run would take minutes and
     gigabytes otherwise)."""
-    from mlx_lm_plus.bodies import BodyError, check_depth
+    from mlx_lm_plus.http.bodies import BodyError, check_depth
 
     check_depth(('{"m": [' + ", ".join(["[]"] * 1_000_000) + "]}").encode())
     check_depth(("[" + '"", ' * 2_000_000 + "[]]").encode())

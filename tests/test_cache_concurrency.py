@@ -108,8 +108,8 @@ def test_a_parked_request_gets_keepalives(fixture_path, monkeypatch):
     otherwise), as a request waiting for a model does."""
     import time
 
-    from mlx_lm_plus import engine
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.engine import engine
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect
 
     monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.05)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from mlx_lm_plus.cache import (
+from mlx_lm_plus.cache.store import (
     ENTRY_BYTES,
     NODE_BYTES,
     PASSED_PROMPT_MAX_GAP,
@@ -630,13 +630,13 @@ def test_matches_the_per_token_trie(seed):
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache  # noqa: E402
 
-from mlx_lm_plus.cache import (  # noqa: E402
+from mlx_lm_plus.cache.store import (  # noqa: E402
     SharedKV,
     StoredKV,
     quantize_for_store,
     restore_from_store,
 )
-from mlx_lm_plus.vision import MRopeKVCache  # noqa: E402
+from mlx_lm_plus.models.vision import MRopeKVCache  # noqa: E402
 
 HEADS, DIM = 4, 64  # head dim 64: one quantization group per head and token
 
@@ -860,7 +860,7 @@ def test_bad_quantization_settings_fail_at_construction():
 
 # -- the disk tier (--prompt-cache-dir): what leaves memory goes to disk --
 
-from mlx_lm_plus.disk_cache import DiskTier  # noqa: E402
+from mlx_lm_plus.cache.disk import DiskTier  # noqa: E402
 
 
 def arrays_of(cache):
@@ -960,7 +960,7 @@ def test_read_ahead_off_the_generation_thread_is_what_the_fetch_takes(tmp_path):
     covers as much is not read ahead for."""
     import threading
 
-    import mlx_lm_plus.cache as cache_module
+    import mlx_lm_plus.cache.store as cache_module
 
     key = list(range(1, 41))
     store, tier = with_disk(tmp_path, max_bytes=1 << 30)
@@ -1101,7 +1101,7 @@ def test_an_entry_over_a_quarter_of_the_budget_is_read_ahead_alone(tmp_path):
 def test_housekeeping_lets_go_of_a_stale_read_ahead(tmp_path):
     """A read ahead whose request never came (its client went away) goes
     on a quiet server too: the generation thread's housekeeping drops it."""
-    import mlx_lm_plus.cache as cache_module
+    import mlx_lm_plus.cache.store as cache_module
 
     key = list(range(1, 41))
     store, tier = with_disk(tmp_path, max_bytes=1 << 30)
@@ -1284,7 +1284,7 @@ def test_chunked_layers_past_their_chunk_are_never_trimmed(tmp_path):
     assert tier.find(key + [99])[0] == 20
     # A row written before the tier knew (its flag says trimmable): a miss
     # all the same, not layers at different offsets.
-    import mlx_lm_plus.disk_cache as disk_module
+    import mlx_lm_plus.cache.disk as disk_module
     from mlx_lm.models.cache import can_trim_prompt_cache
 
     store.clear()

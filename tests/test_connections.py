@@ -8,8 +8,8 @@ import socket
 import threading
 
 from mlx_lm_plus import app as app_module
-from mlx_lm_plus.api import RUNNER_OPTIONS, Server
-from mlx_lm_plus.connections import HEAD_SECONDS, NEW_GRACE, ConnectionLimit, default_max_open
+from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server
+from mlx_lm_plus.http.connections import HEAD_SECONDS, NEW_GRACE, ConnectionLimit, default_max_open
 from mlx_lm_plus.server import parse_args
 from tests.test_api import ScriptedEngine, ctx, tokens
 

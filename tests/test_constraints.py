@@ -1,4 +1,4 @@
-"""The constraint engine (mlx_lm_plus.constraints) on the tiny random model.
+"""The constraint engine (mlx_lm_plus.planning.constraints) on the tiny random model.
 
 A random model writes garbage; under the processor it must write JSON valid
 for each corpus schema, well-formed forced tool calls, and leave thinking and
@@ -16,9 +16,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-import patches
-
-from mlx_lm_plus.constraints import (
+from mlx_lm_plus import patches
+from mlx_lm_plus.planning.constraints import (
     ConstraintError,
     ConstraintProcessor,
     StrictToolCalls,

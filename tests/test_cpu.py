@@ -10,11 +10,11 @@ import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
-from mlx_lm_plus import cpu
+from mlx_lm_plus.models import cpu
 
-PROBE = ("from mlx_lm_plus.cpu import preload_fast_blas; import sys; "
+PROBE = ("from mlx_lm_plus.models.cpu import preload_fast_blas; import sys; "
          "first = preload_fast_blas(); import mlx.core; "
-         "from mlx_lm_plus import cpu; print(first, cpu.WHY_NOT is None)")
+         "from mlx_lm_plus.models import cpu; print(first, cpu.WHY_NOT is None)")
 
 
 def _probe(env_blas=None):
@@ -42,7 +42,7 @@ def test_a_fast_blas_is_loaded_before_mlx_unless_told_not_to(monkeypatch):
 
 
 def test_too_late_once_mlx_is_loaded():
-    code = ("import mlx.core; from mlx_lm_plus import cpu; "
+    code = ("import mlx.core; from mlx_lm_plus.models import cpu; "
             "print(cpu.preload_fast_blas(), cpu.WHY_NOT)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

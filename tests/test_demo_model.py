@@ -19,7 +19,7 @@ def demo_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_path(demo_cache, monkeypatch_module):
-    from mlx_lm_plus.demo import demo_model_path
+    from mlx_lm_plus.models.demo import demo_model_path
 
     monkeypatch_module.setenv("MLX_LM_PLUS_CACHE", str(demo_cache))
     return demo_model_path()
@@ -33,7 +33,7 @@ def monkeypatch_module():
 
 
 def test_conversion_loads_and_tokenizes(demo_path):
-    from mlx_lm_plus.demo import demo_model_path
+    from mlx_lm_plus.models.demo import demo_model_path
 
     assert demo_model_path() == demo_path  # reused, not converted again
     config = json.loads((demo_path / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""DiskTier (mlx_lm_plus/disk_cache.py): the prompt cache's disk tier.
+"""DiskTier (mlx_lm_plus/cache/disk.py): the prompt cache's disk tier.
 
 Tiny caches (a few tokens, 2 heads of 8 dims) on CPU: round trips of every
 cache class, restarts, identities, torn and corrupt files, a process killed
@@ -32,9 +32,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from mlx_lm_plus import disk_cache
-from mlx_lm_plus.disk_cache import DiskTier, model_identity
-from mlx_lm_plus.vision import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
+from mlx_lm_plus.cache import disk as disk_cache
+from mlx_lm_plus.cache.disk import DiskTier, model_identity
+from mlx_lm_plus.models.vision import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,10 +197,10 @@ def test_compacted_to_the_tokens_held(tier_dir):
 def test_quantized_store_layers_round_trip(tier_dir):
     """What a PromptStore with --prompt-cache-bits evicts (its quantized
     layers keep their layer's class, dtype and attributes) comes back whole."""
-    from mlx_lm_plus import cache as store
+    from mlx_lm_plus.cache import store
 
     if not hasattr(store, "quantize_for_store"):
-        pytest.skip("no quantized storage in mlx_lm_plus.cache")
+        pytest.skip("no quantized storage in mlx_lm_plus.cache.store")
     layers = [kv(4, mx.bfloat16, dim=32), kv(4, mx.bfloat16, MRopeKVCache, seed=2, dim=32)]
     layers[1].rope_delta = 11
     stored_layers = store.quantize_for_store(layers, 4, 32)
@@ -211,6 +211,35 @@ def test_quantized_store_layers_round_trip(tier_dir):
     assert [type(c) for c in back] == [type(c) for c in stored_layers]
     restored = store.restore_from_store(back, trim=1)
     assert flat(restored) == want and restored[1].rope_delta == 11
+    t.close()
+
+
+def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkeypatch):
+    """Files record layer classes as module:qualname. Entries written before
+    the package moved into folders name mlx_lm_plus.vision and
+    mlx_lm_plus.cache: they load as the classes that moved."""
+    from mlx_lm_plus.cache import disk, store
+
+    layers = [kv(3, cls=PlainKVCache, seed=6), kv(4, mx.bfloat16, MRopeKVCache, seed=2, dim=32)]
+    layers = [layers[0]] + store.quantize_for_store(layers[1:], 4, 32)
+    want = flat(layers)
+    new_name = disk._type_name
+    old_names = []
+
+    def before_the_split(cls):  # as the files written then name the classes
+        name = new_name(cls).replace("mlx_lm_plus.models.vision:", "mlx_lm_plus.vision:")
+        name = name.replace("mlx_lm_plus.cache.store:", "mlx_lm_plus.cache:")
+        old_names.append(name) if name != new_name(cls) else None
+        return name
+
+    monkeypatch.setattr(disk, "_type_name", before_the_split)
+    t = make_tier(tier_dir)
+    stored(t, [1, 2, 3], layers)
+    t.close()
+    assert {n.split(":")[0] for n in old_names} == {"mlx_lm_plus.vision", "mlx_lm_plus.cache"}
+    t = make_tier(tier_dir)
+    back = t.load(t.find([1, 2, 3, 4])[1])
+    assert back is not None and flat(back) == want
     t.close()
 
 
@@ -443,8 +472,8 @@ KILLED_WRITER = """
 import os, sys, threading, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from mlx_lm_plus import disk_cache
-from mlx_lm_plus.disk_cache import DiskTier
+from mlx_lm_plus.cache import disk as disk_cache
+from mlx_lm_plus.cache.disk import DiskTier
 
 def kv(n):
     c = KVCache()
@@ -831,7 +860,7 @@ def test_clear_removes_files_with_the_locks_released(tier_dir, tmp_path, monkeyp
     """DELETE /v1/cache with thousands of files took seconds of deletions
     under the tier's lock (inside the store's): every fetch and insert of
     the generation thread waited, and running streams froze."""
-    from mlx_lm_plus.cache import PromptStore
+    from mlx_lm_plus.cache.store import PromptStore
 
     store = PromptStore(max_bytes=1 << 30)
     t = make_tier(tier_dir)

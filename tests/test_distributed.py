@@ -95,11 +95,11 @@ def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
 
     from PIL import Image
 
-    from mlx_lm_plus.constraints import ForcedToolCall, Grammar, StrictToolCalls
-    from mlx_lm_plus.engine import _unpickle
+    from mlx_lm_plus.planning.constraints import ForcedToolCall, Grammar, StrictToolCalls
+    from mlx_lm_plus.engine.engine import _unpickle
     from mlx_lm_plus.server import parse_args
-    from mlx_lm_plus.validation import parse_request
-    from mlx_lm_plus.vision import decode_images
+    from mlx_lm_plus.protocols.validation import parse_request
+    from mlx_lm_plus.models.vision import decode_images
 
     out = io.BytesIO()
     Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
@@ -152,7 +152,7 @@ def test_every_rank_looks_before_loading(fixture_path, tmp_path):
     import json
     import shutil
 
-    from mlx_lm_plus.models import loadable_fingerprint
+    from mlx_lm_plus.models.provider import loadable_fingerprint
 
     qwen3, qwen2 = fixture_path("qwen3"), fixture_path("qwen2")
     assert loadable_fingerprint(qwen3) == loadable_fingerprint(qwen3)

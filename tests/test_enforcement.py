@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from compat.launch import OURS, ServerProcess, parse_sse
-from mlx_lm_plus.responses import partial_json
+from mlx_lm_plus.protocols.assembler import partial_json
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
           "required": ["city"], "additionalProperties": False}

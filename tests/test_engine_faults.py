@@ -6,8 +6,8 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_lm_plus.engine import EngineUnavailable
-from mlx_lm_plus.validation import parse_request
+from mlx_lm_plus.engine.engine import EngineUnavailable
+from mlx_lm_plus.protocols.validation import parse_request
 from tests.engine_harness import Collect, EngineRunner
 
 CHAT = "/v1/chat/completions"
@@ -51,7 +51,7 @@ def test_a_sampler_that_fails_while_traced_leaves_sampling_working(runner):
 
 
 def test_top_k_of_the_whole_vocabulary_is_refused(runner):
-    from mlx_lm_plus.validation import RequestError
+    from mlx_lm_plus.protocols.validation import RequestError
 
     vocab = runner.loaded.vocab_size
     with pytest.raises(RequestError, match=f"less than {vocab}"):
@@ -145,7 +145,7 @@ def test_a_prompt_chunk_is_cut_short_while_another_model_decodes(runner, monkeyp
     (it looked at its own batch only): their tokens waited a whole chunk
     each. Stand-in for the other model's decoding stream: the engine says
     it decodes."""
-    from mlx_lm_plus import engine as engine_module
+    from mlx_lm_plus.engine import engine as engine_module
 
     seen = []
     real = engine_module.prefill_chunk

@@ -11,8 +11,8 @@ import time
 import pytest
 from mlx_lm.server import Response
 
-from mlx_lm_plus import engine as engine_module
-from mlx_lm_plus.engine import InternalError, OutOfMemory
+from mlx_lm_plus.engine import engine as engine_module
+from mlx_lm_plus.engine.engine import InternalError, OutOfMemory
 from tests.engine_harness import Collect, EngineRunner
 
 LONG = " ".join(f"Line {i} is about trains, stations and tickets." for i in range(30))
@@ -216,7 +216,7 @@ def test_a_request_the_other_ranks_would_refuse_fails_alone(fixture_path):
     """Rank 0 unpickles what it would hand the other ranks first: a request
     they would refuse gets a 500 of its own, and nothing goes out (sent, the
     refusal on every rank would end the group)."""
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     r = EngineRunner(fixture_path("qwen3"), as_a_rank=True)
     try:
@@ -236,7 +236,7 @@ def test_a_request_the_other_ranks_would_refuse_fails_alone(fixture_path):
 def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
     """Metal's per-buffer limit can never be met by retrying: 400, and the
     prompt cache is not given up for it."""
-    from mlx_lm_plus.engine import PromptError
+    from mlx_lm_plus.engine.engine import PromptError
 
     assert runner.run(chat("warm up", max_tokens=4))[0]
     entries = len(runner.store.entries())
@@ -274,7 +274,7 @@ def test_a_checkpoint_a_token_past_the_previous_one_is_not_its_own_segment():
     """Each segment is a model call: one shorter than MIN_SEGMENT_TOKENS joins
     the next (its checkpoint is dropped), the tokens and the other
     checkpoints stay as they were, and the last segment is never merged."""
-    from mlx_lm_plus.engine import MIN_SEGMENT_TOKENS, _drop_cached
+    from mlx_lm_plus.engine.engine import MIN_SEGMENT_TOKENS, _drop_cached
 
     tokens = list(range(40))
     segments = [tokens[:10], tokens[10:11], tokens[11:30], tokens[30:38], tokens[38:]]
@@ -294,7 +294,7 @@ def test_a_plan_made_before_admission_is_used_as_it_is(runner):
     """Engine.plan (the HTTP layer's planning thread) hands the generation
     thread a finished plan: it is not planned again, and the reply is the
     one it plans itself."""
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     body = chat("Plan me once, please.", max_tokens=6)
     alone, _, _ = runner.run(body)  # planned at admission (no planning thread here)
@@ -320,14 +320,14 @@ async def test_a_handler_waits_for_the_read_ahead_of_its_entry_by_another():
     import threading
     import types
 
-    from mlx_lm_plus.api import Server
+    from mlx_lm_plus.http.server import Server
 
     reading = concurrent.futures.Future()
     planned = types.SimpleNamespace(on_disk=True)
     engine = types.SimpleNamespace(
         is_healthy=True, plan=lambda request, args: planned,
         read_ahead=lambda p: reading if p is planned else None)
-    from mlx_lm_plus.lanes import Lane
+    from mlx_lm_plus.planning.lanes import Lane
 
     server = types.SimpleNamespace(engine=engine, _planner=Lane("planning"),
                                    _planning_timeout=60.0, _engine_down=lambda: None)
@@ -358,8 +358,8 @@ def test_requests_after_a_stop_are_answered(fixture_path):
     --shutdown-timeout), a request submitted gets "server shutting down" at
     once, and one that slipped into the queue while the loop saved the
     prompt cache is answered after the save (never left waiting)."""
-    from mlx_lm_plus.engine import EngineUnavailable
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.engine.engine import EngineUnavailable
+    from mlx_lm_plus.protocols.validation import parse_request
 
     runner = EngineRunner(fixture_path("qwen3"))
     engine = runner.engine

@@ -1,4 +1,4 @@
-"""--kv-bits inside continuous batching (mlx_lm_plus/quantized_batch.py).
+"""--kv-bits inside continuous batching (mlx_lm_plus/engine/quantized_batch.py).
 
 The cache's batch operations on ragged rows, its quantization rule, greedy
 tokens of batched requests equal to upstream's sequential --kv-bits path
@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from compat.launch import OURS, ServerProcess
-from mlx_lm_plus.quantized_batch import (
+from mlx_lm_plus.engine.quantized_batch import (
     BatchQuantizedKVCache,
     QuantizedBatchGenerator,
     from_layer,
@@ -373,7 +373,7 @@ def test_mrope_layers_keep_their_delta_under_kv_bits():
     M-RoPE delta: it stays as it is."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
-    from mlx_lm_plus.vision import MRopeKVCache
+    from mlx_lm_plus.models.vision import MRopeKVCache
 
     layer = MRopeKVCache(rope_delta=-37)
     layer.update_and_fetch(mx.ones((1, 2, 8, 64)), mx.ones((1, 2, 8, 64)))

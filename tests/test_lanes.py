@@ -1,4 +1,4 @@
-"""Lanes (mlx_lm_plus/lanes.py): per-request work before a request is
+"""Lanes (mlx_lm_plus/planning/lanes.py): per-request work before a request is
 queued runs in lanes of its own, so that expensive requests (large schemas,
 long prompts) never hold cheap ones up, each is bounded, and a slow one
 fails its own request only.
@@ -17,8 +17,8 @@ import pytest
 
 from benchmarks.fuzz import heavy_schema_body
 from compat.launch import OURS, ServerProcess
-from mlx_lm_plus.api import LARGE_LANE_HELD
-from mlx_lm_plus.lanes import Lane, LaneBusy
+from mlx_lm_plus.http.server import LARGE_LANE_HELD
+from mlx_lm_plus.planning.lanes import Lane, LaneBusy
 
 
 async def test_a_lane_runs_jobs_in_order_on_its_own_thread():
@@ -54,7 +54,7 @@ async def test_a_full_lane_turns_requests_away_and_counts_jobs_until_they_end():
 
 
 async def test_a_deadline_fails_that_request_and_drops_its_job_if_not_started():
-    from mlx_lm_plus.lanes import MAX_SPARE
+    from mlx_lm_plus.planning.lanes import MAX_SPARE
 
     lane = Lane("test")
     release, ran = threading.Event(), []

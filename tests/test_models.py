@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.server import ModelDescription
 
 from compat.launch import OURS, ServerProcess, parse_sse
-from mlx_lm_plus.models import ModelProvider, read_models_config
+from mlx_lm_plus.models.provider import ModelProvider, read_models_config
 from mlx_lm_plus.server import parse_args
 
 KINDS = {"alpha": "qwen3", "beta": "llama", "gamma": "qwen3_5"}
@@ -288,7 +288,7 @@ def test_loaded_model_is_what_upstreams_provider_loads(paths):
     from mlx.utils import tree_flatten
     from mlx_lm.server import ModelProvider as Upstream
 
-    from mlx_lm_plus.models import LoadedModel
+    from mlx_lm_plus.models.provider import LoadedModel
 
     for key in ((paths["alpha"], None, None), (paths["alpha"], None, paths["alpha"])):
         args = parse_args(["--model", key[0], "--use-default-chat-template"])
@@ -333,9 +333,9 @@ def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths,
     would be written out of bounds. A request that waits KEEPALIVE_EVERY
     gets a keepalive (a stream: its headers), a shorter wait none (its
     status code stays its own)."""
-    from mlx_lm_plus import engine
-    from mlx_lm_plus.engine import PromptError
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.engine import engine
+    from mlx_lm_plus.engine.engine import PromptError
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect, EngineRunner
 
     monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.3)
@@ -375,7 +375,7 @@ def test_a_stuck_load_is_given_up(paths, monkeypatch):
     """A load that doesn't end (a stalled disk or download) would hold every
     later load back: after --model-load-timeout its requests get 404 and the
     next load runs on a new loader thread; the server stays healthy."""
-    from mlx_lm_plus.engine import ModelLoadError
+    from mlx_lm_plus.engine.engine import ModelLoadError
     from tests.engine_harness import EngineRunner
 
     runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"],

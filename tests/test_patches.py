@@ -1,4 +1,4 @@
-"""Each patch in patches/ fixes a bug that shows without it, and applies
+"""Each patch in mlx_lm_plus/patches/ fixes a bug that shows without it, and applies
 only to the mlx-lm it was written for."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-import patches
+from mlx_lm_plus import patches
 from tests.test_fixtures import greedy, long_prompt
 
 
@@ -59,7 +59,7 @@ TARGETS = [pytest.param(p, p.PATCH.owner, p.PATCH.attr, id=p.PATCH.name) for p i
 
 
 def warnings(caplog):
-    return [r for r in caplog.records if r.name == "patches" and r.levelno == logging.WARNING]
+    return [r for r in caplog.records if r.name == "mlx_lm_plus.patches" and r.levelno == logging.WARNING]
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_matching_patch_is_applied(patch, owner, attr, restored, caplog):
     patch.revert()
     upstream = getattr(owner, attr)
     assert upstream is not patch.PATCH.replacement
-    with caplog.at_level(logging.WARNING, logger="patches"):
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.patches"):
         assert patch.apply() is True
         assert patch.apply() is True  # idempotent
     assert getattr(owner, attr) is patch.PATCH.replacement
@@ -93,7 +93,7 @@ def test_other_upstream_source_is_left_alone(patch, owner, attr, restored, monke
         return "upstream"
 
     monkeypatch.setattr(owner, attr, changed_upstream)
-    with caplog.at_level(logging.WARNING, logger="patches"):
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.patches"):
         assert patch.apply() is False
         assert patches.apply_all()[patch.PATCH.name] is False
     assert getattr(owner, attr) is changed_upstream
@@ -109,7 +109,7 @@ def test_recorded_hash_mismatch_is_not_applied(restored, monkeypatch, caplog):
     patch.revert()
     upstream = getattr(patch.PATCH.owner, "_ssm")
     monkeypatch.setattr(patch.PATCH, "sha256", "0" * 64)
-    with caplog.at_level(logging.WARNING, logger="patches"):
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.patches"):
         assert patch.apply() is False
     assert patch.PATCH.owner._ssm is upstream
     [record] = warnings(caplog)
@@ -120,8 +120,8 @@ def test_recorded_hash_mismatch_is_not_applied(restored, monkeypatch, caplog):
 FRESH = """
 import os
 import sys
-import patches
-from mlx_lm_plus import engine
+from mlx_lm_plus import patches
+from mlx_lm_plus.engine import engine
 from tests.engine_harness import EngineRunner
 
 def state():  # per patch: is the function in place ours (not upstream's)?
@@ -159,7 +159,7 @@ def _mixed_batch(model, tok):
     (outputs, how often each ConstraintProcessor entry point ran)."""
     from mlx_lm.sample_utils import make_repetition_penalty
 
-    from mlx_lm_plus.constraints import ConstraintProcessor, compile_response_format
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor, compile_response_format
     from tests.test_constraints import run_batch
 
     schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},

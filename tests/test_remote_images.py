@@ -103,7 +103,7 @@ async def private(aiohttp_server):
 @pytest.fixture
 async def public(aiohttp_server, monkeypatch):
     """The image server on 127.0.0.2, which `is_public` is told is public."""
-    from mlx_lm_plus import remote_images
+    from mlx_lm_plus.http import remote_images
 
     real = remote_images.is_public
     monkeypatch.setattr(remote_images, "is_public", lambda a: a == "127.0.0.2" or real(a))
@@ -138,7 +138,7 @@ def the_one_text(status, raw, index=0):
 async def test_loopback_refused_closed_port_the_same_and_nothing_fetched(
         aiohttp_client, private, caplog):
     c = await client(aiohttp_client)
-    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.remote_images"):
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.http.remote_images"):
         open_port = await post(c, image_body(private.url("a.png")))
         closed = await post(c, image_body(f"http://127.0.0.1:{closed_port()}/a.png"))
         ipv6 = await post(c, image_body(f"http://[::1]:{closed_port()}/a.png"))
@@ -177,7 +177,7 @@ async def test_private_hosts_flag_fetches_into_a_data_url(aiohttp_client, privat
 
 
 def test_address_checks_without_connecting():
-    from mlx_lm_plus.remote_images import Refused, check_url, is_public
+    from mlx_lm_plus.http.remote_images import Refused, check_url, is_public
 
     closed = Namespace(allow_private_image_hosts=False)
     opened = Namespace(allow_private_image_hosts=True)
@@ -260,7 +260,7 @@ class FakeResolver:
 
 async def test_names_resolving_to_private_addresses_are_refused(
         aiohttp_client, private, public, monkeypatch):
-    from mlx_lm_plus import remote_images
+    from mlx_lm_plus.http import remote_images
 
     monkeypatch.setattr(remote_images, "make_resolver", lambda: FakeResolver({
         "private.test": ["127.0.0.1"],
@@ -322,7 +322,7 @@ def test_vision_completion_from_a_remote_image(fixture_path):
     image sent as a data URL."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from mlx_lm_plus.api import make_app
+    from mlx_lm_plus.http.server import make_app
     from mlx_lm_plus.app import build
     from mlx_lm_plus.server import parse_args
     from tests.test_vision import png

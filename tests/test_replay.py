@@ -7,7 +7,7 @@ import sys
 import pytest
 from hypothesis import given, strategies as st
 
-from mlx_lm_plus.replay import PREFIX, open_sealed, seal
+from mlx_lm_plus.protocols.replay import PREFIX, open_sealed, seal
 
 
 @given(st.text())
@@ -24,7 +24,7 @@ def test_changed_or_foreign_values_do_not_open():
                   PREFIX + "%%%." + mac, sealed.replace(PREFIX, "mlxp2.")):
         assert open_sealed(value) is None, value
     # Another process (another key) can't open it either.
-    code = f"from mlx_lm_plus.replay import open_sealed; print(open_sealed({sealed!r}))"
+    code = f"from mlx_lm_plus.protocols.replay import open_sealed; print(open_sealed({sealed!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "None", out.stderr

@@ -7,10 +7,10 @@ import time
 import pytest
 from mlx_lm.server import Response
 
-from mlx_lm_plus import engine as engine_module
-from mlx_lm_plus.api import make_app
+from mlx_lm_plus.engine import engine as engine_module
+from mlx_lm_plus.http.server import make_app
 from mlx_lm_plus.app import build
-from mlx_lm_plus.engine import EngineUnavailable
+from mlx_lm_plus.engine.engine import EngineUnavailable
 from mlx_lm_plus.server import parse_args
 from tests.engine_harness import Collect, EngineRunner
 
@@ -170,7 +170,7 @@ def test_disconnect_leaves_within_one_step(slow_prefill_runner, path, phase):
     if path == "sequential":
         body["seed"] = 7  # seeded requests take the sequential path
     parsed_channel = Watch(engine)
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     parsed = parse_request("/v1/chat/completions", body, runner.args)
     engine.submit(parsed_channel, parsed.request, parsed.args)

@@ -14,7 +14,7 @@ from mlx_lm import load
 from mlx_lm.generate import make_text_state_machine
 from mlx_lm.server import GenerationContext, Response
 
-from mlx_lm_plus.responses import CompletionAssembler, ResponseBuilder
+from mlx_lm_plus.protocols.assembler import CompletionAssembler, ResponseBuilder
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_text_chunk_is_the_response_serialized(text):
 
 
 def test_partial_json_of_what_was_cut_off():
-    from mlx_lm_plus.responses import PARTIAL_JSON_CHARS, partial_json
+    from mlx_lm_plus.protocols.assembler import PARTIAL_JSON_CHARS, partial_json
 
     assert partial_json('{"city": "Pa') == {"city": "Pa"}
     assert partial_json('{"city": "Paris", "days": [1, 2') == {"city": "Paris", "days": [1, 2]}
@@ -120,7 +120,7 @@ def test_partial_json_of_what_was_cut_off():
 
 
 def test_a_cut_off_call_keeps_its_name():
-    from mlx_lm_plus.responses import TruncatedCall
+    from mlx_lm_plus.protocols.assembler import TruncatedCall
 
     names = ["get_weather", "get_time"]
     call = TruncatedCall.of('\n{"name": "get_weather", "arguments": {"city": "Ro', names)
@@ -144,7 +144,7 @@ def test_tool_calls_of_any_json_the_model_wrote():
     or JSON of another shape raised KeyError/TypeError (a 500)."""
     import json as json_module
 
-    from mlx_lm_plus.responses import ToolCalls
+    from mlx_lm_plus.protocols.assembler import ToolCalls
 
     calls = ToolCalls(lambda text, tools: json_module.loads(text), None)
     assert [c["function"] for c in calls(['{"name": "f"}'])] == [{"name": "f", "arguments": "{}"}]

@@ -21,16 +21,16 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from compat.launch import OURS, ServerProcess
-from mlx_lm_plus.responses import CompletionAssembler
-from mlx_lm_plus.responses_api import (
+from mlx_lm_plus.protocols.assembler import CompletionAssembler
+from mlx_lm_plus.protocols.responses import (
     ResponsesProtocol,
     ResponseStore,
     output_messages,
     to_chat_body,
 )
 from mlx_lm_plus.server import parse_args
-from mlx_lm_plus.validation import RequestError
-from mlx_lm_plus.wire import Completion
+from mlx_lm_plus.protocols.validation import RequestError
+from mlx_lm_plus.protocols.base import Completion
 
 SYSTEM = "You are a terse assistant. Answer in one line."
 WEATHER_TOOL = {
@@ -277,8 +277,8 @@ def test_cut_off_arguments_are_read_back_within_one_budget():
     """Each incomplete function_call item's arguments are read back as far
     as they parse, within one budget for the whole request (found in
     review: 20 items of 256 KB each cost 0.9 s): past it, none."""
-    from mlx_lm_plus.responses import PARTIAL_JSON_CHARS
-    from mlx_lm_plus.responses_api import to_messages
+    from mlx_lm_plus.protocols.assembler import PARTIAL_JSON_CHARS
+    from mlx_lm_plus.protocols.responses import to_messages
 
     long = '{"a": "' + "x" * (PARTIAL_JSON_CHARS // 2)
     items = [{"type": "function_call", "call_id": f"c{i}", "name": "f",
@@ -850,7 +850,7 @@ def test_sealed_reasoning_comes_back_as_the_model_wrote_it(tokenizer):
     carries its text sealed; replayed with only that (Codex, store: false)
     the template gets the same reasoning back, as from the content itself.
     A value the server did not seal, or one changed, is left out: no error."""
-    from mlx_lm_plus.replay import seal
+    from mlx_lm_plus.protocols.replay import seal
 
     for stream in (False, True):
         request = {"model": "gpt-test", "input": "Weather in Paris and Rome?", "stream": stream,

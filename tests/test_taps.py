@@ -1,4 +1,4 @@
-"""Recurrent states taken inside a model call (mlx_lm_plus/taps.py): the
+"""Recurrent states taken inside a model call (mlx_lm_plus/engine/taps.py): the
 states a tap keeps are those of calls cut at the same place, every family of
 recurrent layer and padding included; a request's checkpoints inside its
 prompt cost no model call of their own; the probe refuses taps that are
@@ -10,8 +10,8 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache
 
-import patches
-from mlx_lm_plus import taps
+from mlx_lm_plus import patches
+from mlx_lm_plus.engine import taps
 from tests.engine_harness import EngineRunner
 from tests.test_vision import image_part, noise, user
 
@@ -132,7 +132,7 @@ def test_mixers_whose_sums_change_when_cut_are_not_tapped(kind, dtype, fixture_p
 def test_the_probe_keeps_nothing(kind, fixture_path):
     """What the probe's taps kept goes with it: a model that never taps a
     chunk held every recurrent layer's probe states for good."""
-    from mlx_lm_plus.models import ModelProvider
+    from mlx_lm_plus.models.provider import ModelProvider
     from mlx_lm_plus.server import parse_args
 
     provider = ModelProvider(parse_args(["--model", str(fixture_path(kind))]))
@@ -257,7 +257,7 @@ def test_a_tap_that_kept_no_state_releases_the_requests_waiting_for_it(fixture_p
     """A request parked behind another's system-prompt checkpoint is let go
     when that checkpoint's position is passed, stored or not (here no layer
     kept a state there): not at the end of the other's prompt."""
-    from mlx_lm_plus import engine
+    from mlx_lm_plus.engine import engine
 
     monkeypatch.setattr(taps.TappingPromptBatch, "_checkpoint", lambda *a: None)
     parked, released = [], []

@@ -281,8 +281,8 @@ def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
     import copy
     import threading
 
-    from mlx_lm_plus.validation import parse_request
-    from mlx_lm_plus.vision import decode_images
+    from mlx_lm_plus.protocols.validation import parse_request
+    from mlx_lm_plus.models.vision import decode_images
     from tests.engine_harness import Collect
 
     body = {"messages": [user(image_part(noise(11)), "Planned elsewhere?")], "max_tokens": 8}
@@ -312,8 +312,8 @@ def test_image_prompts_are_counted_off_the_generation_thread(runner):
     included, and counts what the request would be generated with."""
     import copy
 
-    from mlx_lm_plus.validation import parse_request
-    from mlx_lm_plus.vision import decode_images
+    from mlx_lm_plus.protocols.validation import parse_request
+    from mlx_lm_plus.models.vision import decode_images
 
     body = {"messages": [user(image_part(noise(12)), "How many tokens?")], "max_tokens": 2}
     runner.loaded
@@ -331,7 +331,7 @@ def test_image_plans_made_ahead_are_bounded(fixture_path):
     import copy
     import gc
 
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect
 
     r = EngineRunner(fixture_path("qwen2_vl"), argv=["--prompt-concurrency", "2"])
@@ -377,13 +377,13 @@ def test_image_formats(runner, fmt):
     else:
         frames[0].save(out, format=fmt)
     url = f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
 
     parse_request("/v1/chat/completions", {"messages": [user(image_part(url), "?")]}, runner.args)
     tokens, prompt, _ = runner.run({"messages": [user(image_part(url), "What?")], "max_tokens": 4})
     assert len(tokens) == 4
     if fmt == "GIF":
-        from mlx_lm_plus.vision import decode_image, fingerprint
+        from mlx_lm_plus.models.vision import decode_image, fingerprint
 
         assert fingerprint(decode_image(url)) == fingerprint(frames[0].convert("RGB"))
 
@@ -448,8 +448,8 @@ def test_image_prompt_checkpoints(fixture_path, family):
     message, in the expanded (image tokens) positions."""
     from mlx_lm.server import CompletionRequest
 
-    from mlx_lm_plus.prompt import build_prompt
-    from mlx_lm_plus.vision import load_vision_model
+    from mlx_lm_plus.planning.prompt import build_prompt
+    from mlx_lm_plus.models.vision import load_vision_model
 
     _, tokenizer, vision = load_vision_model(str(fixture_path(family)))
     system = {"role": "system", "content": "You describe pictures."}
@@ -493,8 +493,8 @@ def test_image_prompt_checkpoints_when_newlines_merge(fixture_path, tmp_path):
 
     from mlx_lm.server import CompletionRequest
 
-    from mlx_lm_plus.prompt import build_prompt
-    from mlx_lm_plus.vision import load_vision_model
+    from mlx_lm_plus.planning.prompt import build_prompt
+    from mlx_lm_plus.models.vision import load_vision_model
 
     merged = tmp_path / "gemma3_vl"
     shutil.copytree(fixture_path("gemma3_vl"), merged)
@@ -524,7 +524,7 @@ def test_image_prompt_checkpoints_when_newlines_merge(fixture_path, tmp_path):
 
 
 def test_decode_image_scales_down_to_the_processor_limit():
-    from mlx_lm_plus.vision import decode_image
+    from mlx_lm_plus.models.vision import decode_image
 
     url = noise(1, size=(2000, 1000))
     small = decode_image(url, max_pixels=200_000)
@@ -542,8 +542,8 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
     import threading
 
     from compat.launch import parse_sse
-    from mlx_lm_plus import vision
-    from mlx_lm_plus.api import make_app
+    from mlx_lm_plus.models import vision
+    from mlx_lm_plus.http.server import make_app
     from mlx_lm_plus.app import build
     from mlx_lm_plus.server import parse_args
 
@@ -600,7 +600,7 @@ def test_vision_load_leaves_the_hub_setting_as_it_was(fixture_path, monkeypatch)
 
     import huggingface_hub.constants as hub
 
-    from mlx_lm_plus.vision import load_vision_model
+    from mlx_lm_plus.models.vision import load_vision_model
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
@@ -616,8 +616,8 @@ def test_image_scaling_is_known_before_the_model_loads(fixture_path, family):
     none for families whose processors resize to an edge or a square)."""
     from mlx_lm.server import ModelDescription
 
-    from mlx_lm_plus.engine import Engine
-    from mlx_lm_plus.models import ModelProvider
+    from mlx_lm_plus.engine.engine import Engine
+    from mlx_lm_plus.models.provider import ModelProvider
     from mlx_lm_plus.server import parse_args
 
     path = fixture_path(family)

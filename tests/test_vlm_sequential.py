@@ -107,7 +107,7 @@ def test_logits_processors_see_the_whole_prompt(runner):
 def test_which_path_a_folder_takes(fixture_path, tmp_path):
     """Batched for vision.py's families; mlx-vlm's generation for a family
     mlx-lm can't load, or when the config asks; else text only."""
-    from mlx_lm_plus.models import image_path, read_models_config
+    from mlx_lm_plus.models.provider import image_path, read_models_config
 
     assert image_path(fixture_path("gemma3_vl")) == "batched"
     assert image_path(fixture_path("smolvlm")) == "batched"
@@ -134,8 +134,8 @@ def test_which_path_a_folder_takes(fixture_path, tmp_path):
 def test_without_the_config_mistral3_is_text_only(fixture_path):
     from mlx_lm.server import ModelDescription
 
-    from mlx_lm_plus.engine import Engine
-    from mlx_lm_plus.models import ModelProvider
+    from mlx_lm_plus.engine.engine import Engine
+    from mlx_lm_plus.models.provider import ModelProvider
     from mlx_lm_plus.server import parse_args
 
     provider = ModelProvider(parse_args(["--model", str(fixture_path("mistral3_vl"))]))
@@ -193,8 +193,8 @@ def test_a_template_only_in_chat_template_json(fixture_path, tmp_path):
 
     from mlx_lm.server import CompletionRequest
 
-    from mlx_lm_plus.prompt import build_prompt
-    from mlx_lm_plus.vlm_generation import load_mlx_vlm_model
+    from mlx_lm_plus.planning.prompt import build_prompt
+    from mlx_lm_plus.models.vlm_generation import load_mlx_vlm_model
 
     folder = tmp_path / "m3"
     shutil.copytree(fixture_path("mistral3_vl"), folder)
@@ -222,7 +222,7 @@ def test_planned_off_the_generation_thread(runner, reference):
     import copy
     import threading
 
-    from mlx_lm_plus.validation import parse_request
+    from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect
 
     messages = CONVERSATIONS["two images"]

@@ -30,11 +30,11 @@ import mlx.nn as nn
 import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
-from .cpu import converts, weights_for_cpu
-from .vision import (
+from mlx_lm_plus.models.cpu import converts, weights_for_cpu
+from mlx_lm_plus.models.vision import (
     configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
 )
-from .vlm_generation import is_mlx_vlm_model, load_mlx_vlm_model
+from mlx_lm_plus.models.vlm_generation import is_mlx_vlm_model, load_mlx_vlm_model
 
 # The sampling defaults a --models-config entry may set: its key -> the CLI
 # flag (argparse dest) it stands in for.
@@ -46,7 +46,7 @@ def resolve_default_model(cli_args) -> None:
     """Fill in --model with the demo model when nothing names a model."""
     if (cli_args.model is None and not getattr(cli_args, "models_dir", None)
             and not getattr(cli_args, "models_config", None)):
-        from .demo import demo_model_path
+        from mlx_lm_plus.models.demo import demo_model_path
 
         cli_args.model = str(demo_model_path())
         cli_args.models = [cli_args.model]
@@ -575,7 +575,7 @@ class ModelProvider:
         held = sum(m.nbytes for m in self.loaded.values())
         cache = getattr(self.cli_args, "prompt_cache_bytes", None)
         if cache is None:
-            from .cache import default_budget
+            from mlx_lm_plus.cache.store import default_budget
 
             cache = default_budget()
         lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl,

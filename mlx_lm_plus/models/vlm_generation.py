@@ -23,7 +23,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from .vision import DecodedImage, read_json, decode_images, load_vlm
+from mlx_lm_plus.models.vision import DecodedImage, read_json, decode_images, load_vlm
 
 
 @dataclass

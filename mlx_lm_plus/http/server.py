@@ -20,10 +20,10 @@ from typing import List, Optional
 from aiohttp import web
 from mlx_lm.server import ModelDescription, _image_parts, _image_url
 
-from .bodies import BodyError, parse_body
-from .cache import READ_AHEAD_SECONDS
-from .connections import HEAD_SECONDS, ConnectionLimit, default_max_open
-from .constraints import (
+from mlx_lm_plus.http.bodies import BodyError, parse_body
+from mlx_lm_plus.cache.store import READ_AHEAD_SECONDS
+from mlx_lm_plus.http.connections import HEAD_SECONDS, ConnectionLimit, default_max_open
+from mlx_lm_plus.planning.constraints import (
     ConstraintError,
     ConstraintUnavailable,
     ForcedToolCall,
@@ -31,14 +31,14 @@ from .constraints import (
     compile_response_format,
     prepare,
 )
-from .engine import Channel, EngineUnavailable, InternalError, PromptError
-from .lanes import Lane, LaneBusy
-from .logs import warn_once
-from .metrics import Metrics, RequestRecord, cache_entries
-from .responses import CompletionAssembler, ResponseBuilder
-from .validation import RequestError, parse_request
-from .vision import decode_images
-from .wire import Completion, WireProtocol
+from mlx_lm_plus.engine.engine import Channel, EngineUnavailable, InternalError, PromptError
+from mlx_lm_plus.planning.lanes import Lane, LaneBusy
+from mlx_lm_plus.logs import warn_once
+from mlx_lm_plus.http.metrics import Metrics, RequestRecord, cache_entries
+from mlx_lm_plus.protocols.assembler import CompletionAssembler, ResponseBuilder
+from mlx_lm_plus.protocols.validation import RequestError, parse_request
+from mlx_lm_plus.models.vision import decode_images
+from mlx_lm_plus.protocols.base import Completion, WireProtocol
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # Endpoints that change the server's state or show what other clients sent.
@@ -1210,7 +1210,7 @@ async def inline_remote_images(req, cli_args) -> None:
     chat request by data URLs, fetched within one deadline and byte budget
     from allowed addresses only (see remote_images.py; upstream fetches any
     URL, unbounded, on its handler thread)."""
-    from .remote_images import inline_remote_images as fetch_and_inline
+    from mlx_lm_plus.http.remote_images import inline_remote_images as fetch_and_inline
 
     if req.request_type == "chat":
         await fetch_and_inline(req.messages, cli_args)

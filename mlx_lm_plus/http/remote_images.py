@@ -38,7 +38,7 @@ from aiohttp.abc import AbstractResolver
 from mlx_lm.server import _image_parts, _image_url
 from yarl import URL
 
-from .validation import RequestError, _validate_images
+from mlx_lm_plus.protocols.validation import RequestError, _validate_images
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from mlx_lm.server import (
 )
 from tokenizers import Tokenizer
 
-from .vision import VisionSupport
-from .vlm_generation import MlxVlmGeneration
+from mlx_lm_plus.models.vision import VisionSupport
+from mlx_lm_plus.models.vlm_generation import MlxVlmGeneration
 
 
 # A prompt's text is bounded before it is rendered and tokenized: a fast

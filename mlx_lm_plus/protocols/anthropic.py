@@ -30,11 +30,11 @@ import re
 import uuid
 from typing import Any, Dict, List, Optional
 
-from .bodies import b64decode
-from .logs import warn_once
-from .replay import seal
-from .responses import partial_json
-from .validation import (
+from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.logs import warn_once
+from mlx_lm_plus.protocols.replay import seal
+from mlx_lm_plus.protocols.assembler import partial_json
+from mlx_lm_plus.protocols.validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
@@ -42,7 +42,7 @@ from .validation import (
     parse_request,
     refuse_foreign_enforcement,
 )
-from .wire import Completion, Exchange, WireProtocol, chat_content, sse
+from mlx_lm_plus.protocols.base import Completion, Exchange, WireProtocol, chat_content, sse
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"

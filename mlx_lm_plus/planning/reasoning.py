@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .constraints import _rfind
+from mlx_lm_plus.planning.constraints import _rfind
 
 # reasoning effort -> thinking tokens (None: unbounded). OpenAI documents no
 # numbers; these leave "low" a short think, "medium" (the default effort of
@@ -86,7 +86,7 @@ class ThinkingBudget:
 
     @staticmethod
     def process_batch(logits: mx.array, rows) -> mx.array:
-        """All budgeted rows of a batch step at once (patches/
+        """All budgeted rows of a batch step at once (mlx_lm_plus/patches/
         batched_logits_processors): `rows` (row index, processor, the row's
         tokens in the KV cache, the token fed at this step); one `where`
         for the rows being closed, the others unchanged."""

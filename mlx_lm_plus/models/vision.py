@@ -45,8 +45,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from .bodies import b64decode
-from .logs import warn_once
+from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.logs import warn_once
 
 # Families with M-RoPE, whose positions and feature merge this module handles.
 MROPE_VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")

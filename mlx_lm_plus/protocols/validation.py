@@ -23,8 +23,8 @@ from mlx_lm.server import (
     _image_url,
 )
 
-from .bodies import b64decode
-from .reasoning import EFFORT_BUDGETS
+from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS
 
 
 class RequestError(ValueError):

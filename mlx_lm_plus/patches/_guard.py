@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 WRITTEN_FOR = "0.32.2"
 
-log = logging.getLogger("patches")
+log = logging.getLogger("mlx_lm_plus.patches")
 
 
 def source_sha256(fn) -> str:

@@ -86,8 +86,8 @@ import numpy as np
 import xxhash
 from mlx_lm.models.cache import QuantizedKVCache
 
-from .cache import _TOKENS, _matching, cache_nbytes, compact, descend, trims_to_any_prefix
-from .logs import warn_once
+from mlx_lm_plus.cache.store import _TOKENS, _matching, cache_nbytes, compact, descend, trims_to_any_prefix
+from mlx_lm_plus.logs import warn_once
 
 # Part of every identity: a change of the file format starts a new folder.
 # 2: the checksum covers the whole file (header and metadata too).
@@ -128,6 +128,14 @@ if hasattr(mx, "float64"):
 _ITEMSIZE = {name: d.size for d, (name, _) in _DTYPES.items()}
 # Only cache classes from these packages are rebuilt from a file.
 _CLASS_PACKAGES = ("mlx_lm.", "mlx_lm_plus.", "mlx_vlm.")
+# Where our layer classes lived before the package was split into folders:
+# entries written then name these modules, and still load.
+_MOVED_MODULES = {
+    "mlx_lm_plus.cache": "mlx_lm_plus.cache.store",
+    "mlx_lm_plus.vision": "mlx_lm_plus.models.vision",
+    "mlx_lm_plus.taps": "mlx_lm_plus.engine.taps",
+    "mlx_lm_plus.quantized_batch": "mlx_lm_plus.engine.quantized_batch",
+}
 
 
 def _file_facts(path: str) -> str:
@@ -216,7 +224,7 @@ def _resolve_class(name: str) -> type:
     module, _, qualname = name.partition(":")
     if not module.startswith(_CLASS_PACKAGES) or not qualname:
         raise ValueError(f"not a known class: {name}")
-    obj = importlib.import_module(module)
+    obj = importlib.import_module(_MOVED_MODULES.get(module, module))
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not isinstance(obj, type):
@@ -227,7 +235,7 @@ def _resolve_class(name: str) -> type:
 def _encode(value, arrays: List[mx.array]):
     """A layer's state or attribute as JSON. Arrays go to `arrays` and are
     named by their place; tuples, dicts, classes and dtypes are tagged
-    (QuantizedKVCache's buffers are tuples; mlx_lm_plus.cache.StoredKV
+    (QuantizedKVCache's buffers are tuples; mlx_lm_plus.cache.store.StoredKV
     keeps its layer's class, dtype and attributes)."""
     if isinstance(value, mx.array):
         arrays.append(value)

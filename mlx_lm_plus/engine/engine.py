@@ -73,22 +73,22 @@ from mlx_lm.server import (
 )
 from mlx_lm.server import _format_top_logprobs as _upstream_top_logprobs
 
-from patches import apply_all as _apply_patches
+from mlx_lm_plus.patches import apply_all as _apply_patches
 
-from .cache import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
-from .models import group_max, loadable_fingerprint
-from .constraints import ConstraintError, processor_for
-from .cpu import weights_identity
-from .logs import warn_once
-from .reasoning import ThinkingBudget, thinking_budget
-from .prompt import (
+from mlx_lm_plus.cache.store import PromptStore, cache_nbytes, is_plain_kv, trims_to_any_prefix
+from mlx_lm_plus.models.provider import group_max, loadable_fingerprint
+from mlx_lm_plus.planning.constraints import ConstraintError, processor_for
+from mlx_lm_plus.models.cpu import weights_identity
+from mlx_lm_plus.logs import warn_once
+from mlx_lm_plus.planning.reasoning import ThinkingBudget, thinking_budget
+from mlx_lm_plus.planning.prompt import (
     PromptPlan, build_prompt, check_prompt_size, prompt_chars, split_at, template_kwargs,
 )
-from .quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
-from . import taps
-from .validation import RequestError, check_vocab
-from .vision import VisionPrompt, VisionSupport, set_rope_delta
-from .vlm_generation import MlxVlmGeneration, responses
+from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator, supports_quantized_batching
+from mlx_lm_plus.engine import taps
+from mlx_lm_plus.protocols.validation import RequestError, check_vocab
+from mlx_lm_plus.models.vision import VisionPrompt, VisionSupport, set_rope_delta
+from mlx_lm_plus.models.vlm_generation import MlxVlmGeneration, responses
 
 
 # A checkpoint is stored only this many tokens or more after the previous one
@@ -298,9 +298,9 @@ def group_lost_error(error: BaseException) -> "EngineUnavailable":
 _HANDED_OFF_CLASSES = {
     ("mlx_lm.server", "GenerationArguments"), ("mlx_lm.server", "SamplingArguments"),
     ("mlx_lm.server", "LogitsProcessorArguments"), ("mlx_lm.server", "ModelDescription"),
-    ("mlx_lm_plus.validation", "Request"), ("mlx_lm_plus.vision", "DecodedImage"),
-    ("mlx_lm_plus.constraints", "Grammar"), ("mlx_lm_plus.constraints", "ForcedToolCall"),
-    ("mlx_lm_plus.constraints", "StrictToolCalls"), ("PIL.Image", "Image"),
+    ("mlx_lm_plus.protocols.validation", "Request"), ("mlx_lm_plus.models.vision", "DecodedImage"),
+    ("mlx_lm_plus.planning.constraints", "Grammar"), ("mlx_lm_plus.planning.constraints", "ForcedToolCall"),
+    ("mlx_lm_plus.planning.constraints", "StrictToolCalls"), ("PIL.Image", "Image"),
     ("builtins", "set"), ("builtins", "frozenset"),
 }
 
@@ -1210,7 +1210,7 @@ class Engine:
         if (not getattr(args, "prompt_cache_dir", None)
                 or self._is_distributed or self.store.disk_for(key) is not None):
             return
-        from .disk_cache import DiskTier, model_identity
+        from mlx_lm_plus.cache.disk import DiskTier, model_identity
 
         model, adapter, draft = key
         extra = f"bits={self.store.bits},group={self.store.group_size}"

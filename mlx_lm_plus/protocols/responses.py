@@ -50,10 +50,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .logs import warn_once
-from .replay import open_sealed, seal
-from .responses import PARTIAL_JSON_CHARS, partial_json
-from .validation import (
+from mlx_lm_plus.logs import warn_once
+from mlx_lm_plus.protocols.replay import open_sealed, seal
+from mlx_lm_plus.protocols.assembler import PARTIAL_JSON_CHARS, partial_json
+from mlx_lm_plus.protocols.validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
@@ -61,7 +61,7 @@ from .validation import (
     parse_request,
     refuse_foreign_enforcement,
 )
-from .wire import Completion, Exchange, WireProtocol, chat_content, json_bytes, sse
+from mlx_lm_plus.protocols.base import Completion, Exchange, WireProtocol, chat_content, json_bytes, sse
 
 RESPONSES = "/v1/responses"
 INPUT_TOKENS = "/v1/responses/input_tokens"
