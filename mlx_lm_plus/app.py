@@ -16,7 +16,8 @@ from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
 from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server, make_app
 from mlx_lm_plus.cache.store import PromptStore, default_budget
 from mlx_lm_plus.http.connections import LimitedRunner
-from mlx_lm_plus.engine.engine import HANG_EXIT_STATUS, Engine
+from mlx_lm_plus.engine.engine import Engine
+from mlx_lm_plus.engine.watchdog import HANG_EXIT_STATUS
 from mlx_lm_plus.http.metrics import Metrics
 from mlx_lm_plus.models.provider import ModelProvider, resolve_default_model
 from mlx_lm_plus.protocols.responses import ResponsesProtocol

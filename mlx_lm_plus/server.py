@@ -16,7 +16,7 @@ from mlx_lm_plus.models.cpu import preload_fast_blas
 preload_fast_blas()  # before anything loads MLX (cpu.py)
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START  # noqa: E402
-from mlx_lm.utils import _parse_size as _upstream_parse_size  # noqa: E402
+from mlx_lm_plus.upstream import parse_size as _upstream_parse_size  # noqa: E402
 
 def _parse_size(text):
     """mlx-lm's byte sizes ("512M", "2GB", "1000000"), with a usage error

@@ -7,7 +7,8 @@ import time
 from mlx_lm.server import Response
 
 from mlx_lm_plus.cache.store import PromptStore
-from mlx_lm_plus.engine.engine import Channel, Engine
+from mlx_lm_plus.engine.channel import Channel
+from mlx_lm_plus.engine.engine import Engine
 from mlx_lm_plus.models.provider import ModelProvider
 from mlx_lm_plus.server import parse_args
 from mlx_lm_plus.protocols.validation import parse_request

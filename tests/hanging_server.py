@@ -6,11 +6,11 @@ hangs admitting a request that says "HANG_ADMIT", or planning one that says
 import sys
 import time
 
-from mlx_lm_plus.engine import engine
+from mlx_lm_plus.engine import engine, planner
 from mlx_lm_plus.server import main
 
 _prepare, _step = engine.Engine._prepare, engine._Batch.step
-_build_plan = engine.Engine._build_plan
+_build_plan = planner.Planner.build
 hang = []
 
 
@@ -37,7 +37,7 @@ def step(self):
 
 
 engine.Engine._prepare, engine._Batch.step = prepare, step
-engine.Engine._build_plan = build_plan
+planner.Planner.build = build_plan
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mlx_lm_plus.engine.engine import prefill_chunk
+from mlx_lm_plus.engine.segments import prefill_chunk
 from tests.engine_harness import EngineRunner
 from tests.test_vision import image_part, noise, user
 
@@ -212,7 +212,7 @@ def test_requests_cached_whole_cannot_hold_a_long_prompt_back(fixture_path):
     chunk (a long prompt still goes in)."""
     import mlx.core as mx
 
-    from mlx_lm_plus.engine.engine import FIRST_TOKEN_STEPS, _Batch
+    from mlx_lm_plus.engine.batch import FIRST_TOKEN_STEPS, _Batch
 
     runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", str(STEP)])
     try:

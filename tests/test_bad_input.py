@@ -340,7 +340,7 @@ def test_a_request_that_breaks_admission_is_answered(fixture_path):
     """A value that raises in the engine's model lookup (an unhashable
     draft_model, as if validation had missed it) is answered with a 500
     InternalError; the loop neither crashes nor restarts."""
-    from mlx_lm_plus.engine.engine import InternalError
+    from mlx_lm_plus.errors import InternalError
     from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect, EngineRunner
 
@@ -447,7 +447,7 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
     tokenized."""
     from mlx_lm.server import CompletionRequest
 
-    from mlx_lm_plus.engine import engine as engine_module
+    from mlx_lm_plus.engine import planner as engine_module
     from mlx_lm_plus.models.provider import context_length
     from mlx_lm_plus.planning.prompt import DEFAULT_ROLE_CHARS, check_prompt_size, prompt_chars
     from tests.engine_harness import EngineRunner
@@ -513,7 +513,7 @@ def test_images_to_a_text_model_fail_without_waiting_for_the_batch(fixture_path)
     and at admission beside a running request: it used to be set aside for
     the sequential path, and answered its 400 only once the batch had
     drained (every running request finished)."""
-    from mlx_lm_plus.engine.engine import PromptError
+    from mlx_lm_plus.errors import PromptError
     from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import EngineRunner
 

@@ -92,7 +92,8 @@ def test_b64decode_in_pieces_is_base64s(monkeypatch, validate):
     whole call, ~2 ms a MB): the bytes, and the errors, of one call."""
     import binascii
 
-    from mlx_lm_plus.http.bodies import b64decode
+    from mlx_lm_plus import codec as bodies
+    from mlx_lm_plus.codec import b64decode
 
     monkeypatch.setattr(bodies, "B64_PIECE_CHARS", 8)
     calls = []

@@ -6,7 +6,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_lm_plus.engine.engine import EngineUnavailable
+from mlx_lm_plus.errors import EngineUnavailable
 from mlx_lm_plus.protocols.validation import parse_request
 from tests.engine_harness import Collect, EngineRunner
 
@@ -145,7 +145,7 @@ def test_a_prompt_chunk_is_cut_short_while_another_model_decodes(runner, monkeyp
     (it looked at its own batch only): their tokens waited a whole chunk
     each. Stand-in for the other model's decoding stream: the engine says
     it decodes."""
-    from mlx_lm_plus.engine import engine as engine_module
+    from mlx_lm_plus.engine import batch as engine_module
 
     seen = []
     real = engine_module.prefill_chunk

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.server import Response
 
 from mlx_lm_plus.engine import engine as engine_module
-from mlx_lm_plus.engine.engine import InternalError, OutOfMemory
+from mlx_lm_plus.errors import InternalError, OutOfMemory
 from tests.engine_harness import Collect, EngineRunner
 
 LONG = " ".join(f"Line {i} is about trains, stations and tickets." for i in range(30))
@@ -236,7 +236,7 @@ def test_a_request_the_other_ranks_would_refuse_fails_alone(fixture_path):
 def test_a_buffer_larger_than_the_machine_allows_is_a_400(runner, monkeypatch):
     """Metal's per-buffer limit can never be met by retrying: 400, and the
     prompt cache is not given up for it."""
-    from mlx_lm_plus.engine.engine import PromptError
+    from mlx_lm_plus.errors import PromptError
 
     assert runner.run(chat("warm up", max_tokens=4))[0]
     entries = len(runner.store.entries())
@@ -274,7 +274,8 @@ def test_a_checkpoint_a_token_past_the_previous_one_is_not_its_own_segment():
     """Each segment is a model call: one shorter than MIN_SEGMENT_TOKENS joins
     the next (its checkpoint is dropped), the tokens and the other
     checkpoints stay as they were, and the last segment is never merged."""
-    from mlx_lm_plus.engine.engine import MIN_SEGMENT_TOKENS, _drop_cached
+    from mlx_lm_plus.engine.segments import MIN_SEGMENT_TOKENS
+    from mlx_lm_plus.engine.segments import drop_cached as _drop_cached
 
     tokens = list(range(40))
     segments = [tokens[:10], tokens[10:11], tokens[11:30], tokens[30:38], tokens[38:]]
@@ -358,7 +359,7 @@ def test_requests_after_a_stop_are_answered(fixture_path):
     --shutdown-timeout), a request submitted gets "server shutting down" at
     once, and one that slipped into the queue while the loop saved the
     prompt cache is answered after the save (never left waiting)."""
-    from mlx_lm_plus.engine.engine import EngineUnavailable
+    from mlx_lm_plus.errors import EngineUnavailable
     from mlx_lm_plus.protocols.validation import parse_request
 
     runner = EngineRunner(fixture_path("qwen3"))

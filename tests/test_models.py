@@ -334,7 +334,7 @@ def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths,
     gets a keepalive (a stream: its headers), a shorter wait none (its
     status code stays its own)."""
     from mlx_lm_plus.engine import engine
-    from mlx_lm_plus.engine.engine import PromptError
+    from mlx_lm_plus.errors import PromptError
     from mlx_lm_plus.protocols.validation import parse_request
     from tests.engine_harness import Collect, EngineRunner
 
@@ -375,7 +375,7 @@ def test_a_stuck_load_is_given_up(paths, monkeypatch):
     """A load that doesn't end (a stalled disk or download) would hold every
     later load back: after --model-load-timeout its requests get 404 and the
     next load runs on a new loader thread; the server stays healthy."""
-    from mlx_lm_plus.engine.engine import ModelLoadError
+    from mlx_lm_plus.errors import ModelLoadError
     from tests.engine_harness import EngineRunner
 
     runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"],

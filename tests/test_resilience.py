@@ -10,7 +10,7 @@ from mlx_lm.server import Response
 from mlx_lm_plus.engine import engine as engine_module
 from mlx_lm_plus.http.server import make_app
 from mlx_lm_plus.app import build
-from mlx_lm_plus.engine.engine import EngineUnavailable
+from mlx_lm_plus.errors import EngineUnavailable
 from mlx_lm_plus.server import parse_args
 from tests.engine_harness import Collect, EngineRunner
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 from compat.launch import ServerProcess, parse_sse
-from mlx_lm_plus.engine.engine import HANG_EXIT_STATUS
+from mlx_lm_plus.engine.watchdog import HANG_EXIT_STATUS
 
 
 def chat(text, **kw):

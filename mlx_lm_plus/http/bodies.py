@@ -11,11 +11,10 @@ string in a call of its own (a few ms each), between which the loop runs.
 The result is json.loads(raw)'s, and so are the errors: anything unusual
 (a payload with other characters than base64's) is left in place.
 
-Images are then decoded from base64 to be checked and used: `b64decode`
-does it a piece at a time, for the same reason.
+Images are then decoded from base64 to be checked and used:
+`codec.b64decode` does it a piece at a time, for the same reason.
 """
 
-import base64
 import json
 import uuid
 from typing import Any, List
@@ -35,8 +34,6 @@ _MARK = "mlxplus" + uuid.uuid4().hex
 _MARK_CHARS = len(_MARK) + 8
 
 
-# Base64 decoded in pieces of this many characters (~2 ms each).
-B64_PIECE_CHARS = 1 << 20
 # Arrays and objects nested deeper than this are refused: every stage after
 # parsing recurses on what it is given (json.dumps writing a Responses echo,
 # the template's tojson, llguidance, the Python walks of schemas), and near
@@ -153,17 +150,3 @@ def _put_back(value: Any, payloads: List[bytes]) -> Any:
     if isinstance(value, list):
         return [_put_back(v, payloads) for v in value]
     return value
-
-
-def b64decode(data, validate: bool = False) -> bytes:
-    """base64.b64decode(data, validate=validate), a piece at a time where
-    `data` is plain base64 (whole quartets, padding only at the end), so
-    that the GIL is let go between pieces; anything else, whole."""
-    if len(data) <= B64_PIECE_CHARS or (isinstance(data, str) and not data.isascii()):
-        return base64.b64decode(data, validate=validate)
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    padding = raw.find(b"=")
-    if len(raw) % 4 or raw.translate(None, _BASE64) or 0 <= padding < len(raw) - 2:
-        return base64.b64decode(raw, validate=validate)
-    return b"".join(base64.b64decode(raw[i:i + B64_PIECE_CHARS], validate=validate)
-                    for i in range(0, len(raw), B64_PIECE_CHARS))

@@ -31,7 +31,8 @@ from mlx_lm_plus.planning.constraints import (
     compile_response_format,
     prepare,
 )
-from mlx_lm_plus.engine.engine import Channel, EngineUnavailable, InternalError, PromptError
+from mlx_lm_plus.engine.channel import Channel
+from mlx_lm_plus.errors import EngineUnavailable, InternalError, PromptError
 from mlx_lm_plus.planning.lanes import Lane, LaneBusy
 from mlx_lm_plus.logs import warn_once
 from mlx_lm_plus.http.metrics import Metrics, RequestRecord, cache_entries

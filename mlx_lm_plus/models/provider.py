@@ -32,9 +32,11 @@ from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
 from mlx_lm_plus.models.vision import (
-    configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
+    VisionSupport, configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
 )
-from mlx_lm_plus.models.vlm_generation import is_mlx_vlm_model, load_mlx_vlm_model
+from mlx_lm_plus.models.vlm_generation import (
+    MlxVlmGeneration, is_mlx_vlm_model, load_mlx_vlm_model,
+)
 
 # The sampling defaults a --models-config entry may set: its key -> the CLI
 # flag (argparse dest) it stands in for.
@@ -264,9 +266,9 @@ def loadable_fingerprint(model_path, pipeline: bool = False) -> int:
     else the CRC of its config.json (the same model on every host). Its
     small files are fetched first where it is a Hugging Face repo, as
     mlx-lm's sharded_load does."""
-    from mlx_lm.utils import _download, _get_classes
+    from mlx_lm_plus.upstream import download, get_classes
 
-    folder = Path(_download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"]))
+    folder = Path(download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"]))
     raw = (folder / "config.json").read_bytes()
     config = json.loads(raw)
     if Path(model_path).is_dir() and not any(folder.glob("model*.safetensors")):
@@ -275,7 +277,7 @@ def loadable_fingerprint(model_path, pipeline: bool = False) -> int:
         raise FileNotFoundError(f"no model.safetensors.index.json in {folder} (mlx-lm's "
                                 "pipelined load reads it)")
     if not config.get("model_file"):  # (remote code: only its own load can tell)
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = get_classes(config)
         # Built, not loaded (its arrays are never evaluated): what mlx-lm's
         # sharded_load asks of it.
         model = model_class(args_class.from_dict(config))
@@ -335,6 +337,25 @@ def context_length(config: Optional[dict]) -> Optional[int]:
 
 def _vision_tower(lm) -> bool:
     return getattr(lm.processor, "vlm", None) is not None
+
+
+def serves_images(lm) -> bool:
+    """Whether a loaded model takes image parts (through mlx-vlm, batched by
+    vision.py or one at a time by vlm_generation.py)."""
+    return isinstance(lm.processor, (VisionSupport, MlxVlmGeneration))
+
+
+def own_vision(lm) -> bool:
+    """Whether a loaded model is one of mlx-lm's own vision models (a
+    processor, not mlx-vlm's): their image requests are planned at
+    admission and served one at a time, as upstream does. (A model without
+    a processor refuses images when they are planned.)"""
+    return lm.processor is not None and not serves_images(lm)
+
+
+def vision_of(lm) -> Optional[VisionSupport]:
+    """A model's vision support (mlx-vlm models), or None."""
+    return lm.processor if isinstance(lm.processor, VisionSupport) else None
 
 
 class LoadedModel(UpstreamModelProvider):

@@ -45,7 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.codec import b64decode
 from mlx_lm_plus.logs import warn_once
 
 # Families with M-RoPE, whose positions and feature merge this module handles.

@@ -30,7 +30,7 @@ import re
 import uuid
 from typing import Any, Dict, List, Optional
 
-from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.codec import b64decode
 from mlx_lm_plus.logs import warn_once
 from mlx_lm_plus.protocols.replay import seal
 from mlx_lm_plus.protocols.assembler import partial_json

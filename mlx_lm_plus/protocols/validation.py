@@ -23,16 +23,10 @@ from mlx_lm.server import (
     _image_url,
 )
 
-from mlx_lm_plus.http.bodies import b64decode
+from mlx_lm_plus.codec import b64decode
+from mlx_lm_plus.errors import RequestError
+from mlx_lm_plus.planning.vocab import check_vocab
 from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS
-
-
-class RequestError(ValueError):
-    """A bad request: answered with `{"error": message}` and `status`."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -241,24 +235,6 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
             raise RequestError("stream_options.include_usage must be of type bool")
     if vocab_size is not None:
         check_vocab(p["top_k"], p["logit_bias"], vocab_size)
-
-
-def check_vocab(top_k, logit_bias, vocab_size: int) -> None:
-    """top_k and logit_bias ids against the model's vocabulary: upstream's
-    top-k sampler fails on the generation thread and kills it, and an id out
-    of range is written out of bounds (MLX does not check). Here before the
-    request is queued when its model is loaded, else by the engine once it
-    is."""
-    # (Upstream's apply_top_k takes 0 < top_k < vocab_size, and raises inside
-    # a compiled function that leaves MLX's random state broken.)
-    if top_k >= vocab_size:
-        raise RequestError(f"top_k must be less than {vocab_size}")
-    if logit_bias:
-        bad = [t for t in logit_bias if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(
-                f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
-            )
 
 
 def _validate_limits(p: Dict[str, Any], body: Dict[str, Any], cli) -> None:

@@ -1,0 +1,64 @@
+"""Facts of a loaded model that decide how its requests are served, worked
+out once per model (under mx.distributed, agreed by every rank: a pipeline
+rank judges its own layers)."""
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_lm_plus.cache.store import is_plain_kv
+from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
+from mlx_lm_plus.models.provider import own_vision
+from mlx_lm_plus.upstream import image_parts
+
+
+def needs_checkpoints(model) -> bool:
+    """Whether message-boundary checkpoints are worth storing.
+
+    When every layer is a plain KVCache, any prefix of a stored entry can
+    be had by trimming it, so checkpoints would only cost memory. Hybrid
+    (ArraysCache) and sliding-window (RotatingKVCache) layers can't be
+    trimmed reliably: for them the checkpoints are what makes reuse work.
+    """
+    return not all(is_plain_kv(c) for c in make_prompt_cache(model))
+
+
+class ModelFacts:
+    def __init__(self, group, cli_args):
+        self.group = group
+        self.cli_args = cli_args
+        self._facts = {}  # (model key, what) -> see _per_model
+
+    def _per_model(self, lm, what: str, compute):
+        """`compute()` once for model `lm` (a fact of the model that never
+        changes, not worth working out per request)."""
+        key = (lm.key, what)
+        if key not in self._facts:
+            self._facts[key] = compute()
+        return self._facts[key]
+
+    def keep_checkpoints(self, lm) -> bool:
+        # (Pipeline ranks hold layers of their own kinds: where any needs
+        # checkpoints, all store them alike.)
+        return self._per_model(lm, "checkpoints", lambda: not self.group.on_every_rank(
+            not needs_checkpoints(lm.model)))
+
+    def is_batchable(self, lm, request, args) -> bool:
+        """Whether a request joins its model's batch (else the sequential
+        path serves it)."""
+        # Image requests batch on models served through mlx-vlm (vision.py);
+        # on mlx-lm's own vision models they are served sequentially, as
+        # upstream does; on text-only models they fail in planning (no
+        # batch to drain for that).
+        # --kv-bits batches through quantized_batch.py where every layer
+        # upstream would quantize is a plain KVCache. (The messages are
+        # scanned for images last: this runs every loop turn for requests
+        # set aside.)
+        cli_args = self.cli_args
+        return (
+            lm.is_batchable
+            and args.seed is None
+            and (cli_args.kv_bits is None
+                 or self._per_model(lm, "quantized batching", lambda: self.group.on_every_rank(
+                     supports_quantized_batching(lm.model, cli_args.kv_group_size))))
+            and (not own_vision(lm) or not (
+                request.request_type == "chat" and any(image_parts(request.messages))))
+        )
