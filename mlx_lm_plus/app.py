@@ -19,7 +19,8 @@ from mlx_lm_plus.http.connections import LimitedRunner
 from mlx_lm_plus.engine.engine import Engine
 from mlx_lm_plus.engine.watchdog import HANG_EXIT_STATUS
 from mlx_lm_plus.http.metrics import Metrics
-from mlx_lm_plus.models.provider import ModelProvider, resolve_default_model
+from mlx_lm_plus.models.provider import ModelProvider
+from mlx_lm_plus.models.served import resolve_default_model
 from mlx_lm_plus.protocols.responses import ResponsesProtocol
 
 

@@ -532,7 +532,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.models_dir and not os.path.isdir(args.models_dir):
         parser.error(f"--models-dir {args.models_dir}: not a directory")
     if args.models_config or args.models_dir or len(args.models) > 1:
-        from mlx_lm_plus.models.provider import served_set
+        from mlx_lm_plus.models.served import served_set
 
         try:  # (a bad config stops the server here, not at a request)
             served_set(args)

@@ -279,7 +279,7 @@ async def test_bytes_of_bodies_being_received_are_bounded(aiohttp_client, monkey
     """What bodies still coming hold is bounded by the bytes received (at
     least twice --max-request-bytes): past it, the request whose bytes went
     over gets a 503; a connection that sent nothing holds nothing."""
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import intake as api
 
     monkeypatch.setattr(api, "RECEIVING_BYTES", 0)  # (the bound: 2 x 2000 bytes)
     engine = ScriptedEngine([ctx(), *tokens("ok", "")])
@@ -309,7 +309,7 @@ async def test_a_body_too_slow_is_a_408_one_that_keeps_a_rate_goes_on(aiohttp_cl
     second per BODY_MIN_RATE bytes received; a trickle can't hold its bytes
     for ever, an upload at the rate goes on. A client that goes away mid-body
     is no error."""
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import intake as api
 
     monkeypatch.setattr(api, "BODY_IDLE_SECONDS", 0.5)
     monkeypatch.setattr(api, "BODY_MIN_RATE", 2000)
@@ -352,7 +352,7 @@ async def test_a_body_too_slow_is_a_408_one_that_keeps_a_rate_goes_on(aiohttp_cl
 
 
 async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, monkeypatch):
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import intake as api
 
     monkeypatch.setattr(api, "BODY_IDLE_SECONDS", 0.3)
     engine = ScriptedEngine([])
@@ -519,7 +519,7 @@ async def test_a_stream_write_gives_up_on_a_client_that_reads_nothing(monkeypatc
 
     from aiohttp import web
 
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import replies as api
 
     class Transport:
         buffered = 0
@@ -623,7 +623,7 @@ async def test_silent_streams_get_keepalives_on_a_timer(aiohttp_client, monkeypa
     after them."""
     import time as time_module
 
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import completion as api
     from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
     from mlx_lm_plus.protocols.responses import ResponsesProtocol
 
@@ -680,7 +680,7 @@ async def test_a_long_tool_call_is_not_silence(aiohttp_client, monkeypatch, path
     stream gets its keepalives meanwhile, as during prefill."""
     import time as time_module
 
-    from mlx_lm_plus.http import server as api
+    from mlx_lm_plus.http import completion as api
     from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
     from mlx_lm_plus.protocols.responses import ResponsesProtocol
 
@@ -719,7 +719,7 @@ async def test_a_disconnect_is_not_lost_to_an_arriving_event():
     event arrives is cancelled, whether its channel has a heartbeat or not
     (asyncio.wait_for on Python 3.11 returned the event and dropped the
     cancellation)."""
-    from mlx_lm_plus.http.server import IDLE, AsyncChannel
+    from mlx_lm_plus.http.channel import IDLE, AsyncChannel
 
     loop = asyncio.get_running_loop()
     for timeout in (None, 10.0):

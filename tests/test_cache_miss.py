@@ -7,7 +7,7 @@ import json
 import pytest
 
 from compat.launch import OURS, ServerProcess
-from mlx_lm_plus.http.server import MISS_SEARCH_CHARS, _with_message
+from mlx_lm_plus.http.tracker import MISS_SEARCH_CHARS, _with_message
 
 SYSTEM = "You are a helpful assistant for the weather desk. Today is 2026-11-28. " * 3
 USER = {"role": "user", "content": "First question about the rain?"}

@@ -38,11 +38,17 @@ from mlx_lm_plus.protocols.validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
-    one_of,
     parse_request,
     refuse_foreign_enforcement,
 )
 from mlx_lm_plus.protocols.base import Completion, Exchange, WireProtocol, chat_content, sse
+from mlx_lm_plus.protocols.tools import (
+    MESSAGES_THINKING_BY_EFFORT,
+    chat_tool,
+    has_tool,
+    named_tool,
+    thinking_switch,
+)
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -62,9 +68,6 @@ ERROR_TYPES = {
 }
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-# output_config.effort, when `thinking` is not given: the lowest effort
-# skips thinking, the others think.
-THINKING_BY_EFFORT = {"low": False, "medium": True, "high": True, "max": True}
 # Claude Code's attribution line, in the first system block: billing metadata
 # for Anthropic's servers, nothing a local model needs. Its text differs
 # between sessions (2.1.197: `cc_version=2.1.197.6e2; cc_entrypoint=sdk-cli;`,
@@ -294,15 +297,9 @@ def to_tools(tools) -> Optional[List[dict]]:
             raise RequestError(f"tools.{i}.name: Field required (a string)")
         if not isinstance(schema, dict):
             raise RequestError(f"tools.{i}.input_schema: Field required (an object)")
-        # The key order of chat completions' tools (templates dump them as
-        # they are: another order is other tokens, and another cache path).
-        function = {"name": name}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        function["parameters"] = schema
-        if tool.get("strict") is True:  # structured outputs: held to the schema
-            function["strict"] = True
-        out.append({"type": "function", "function": function})
+        description = tool.get("description")
+        out.append(chat_tool(name, description if isinstance(description, str) else None,
+                             schema, tool.get("strict") is True))
     return out or None
 
 
@@ -317,9 +314,9 @@ def _tool_choice(choice, tools) -> Optional[Any]:
         name = choice.get("name")
         if not isinstance(name, str):
             raise RequestError("tool_choice.name: Field required (a string)")
-        if not any(t["function"]["name"] == name for t in tools or ()):
+        if not has_tool(tools, name):
             raise RequestError(f"tool_choice.name: no tool named {name!r} in tools")
-        return {"type": "function", "function": {"name": name}}
+        return named_tool(name)
     return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
@@ -340,8 +337,9 @@ def _thinking(body: dict) -> Optional[bool]:
         return None
     if not isinstance(config, dict):
         raise RequestError("output_config: must be an object")
-    effort = config.get("effort")
-    return None if effort is None else one_of(effort, THINKING_BY_EFFORT, "output_config.effort:")
+    # (When `thinking` is not given: the effort's.)
+    return thinking_switch(config.get("effort"), MESSAGES_THINKING_BY_EFFORT,
+                           "output_config.effort:")
 
 
 def to_chat_body(body: Any, count_only: bool = False,
@@ -414,6 +412,7 @@ def to_chat_body(body: Any, count_only: bool = False,
 class AnthropicProtocol(WireProtocol):
     paths = (MESSAGES, COUNT_TOKENS)
     prefix = MESSAGES
+    names_own_models = True
 
     def __init__(self, strip_billing_header: bool = True):
         self.strip_billing_header = strip_billing_header

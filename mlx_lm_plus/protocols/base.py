@@ -1,18 +1,22 @@
-"""What a wire protocol gives the server, beyond OpenAI's chat completions.
+"""What a wire protocol gives the server: chat and text completions
+(chat.py), Anthropic Messages, OpenAI Responses, each one module.
 
-A protocol (Anthropic Messages, OpenAI Responses) translates its request
-body into the same `ParsedRequest` chat completions make (messages, tools,
-sampling, thinking switch), so everything behind it - the prompt plan, the
-batch, the cache and its checkpoints, the limits, disconnects, metrics - is
-shared. On the way back, the server feeds an `Exchange` the assembler's
-deltas (text, tool calls, reasoning) and the end; the exchange writes the
-protocol's own SSE frames and final body. No I/O happens in either, so both
-directions are testable alone.
+A protocol translates its request body into the one `ParsedRequest` chat
+completions make (messages, tools, sampling, thinking switch), so everything
+behind it - the prompt plan, the batch, the cache and its checkpoints, the
+limits, disconnects, metrics - is shared. On the way back, the server feeds
+an `Exchange` the assembler's deltas (text, tool calls, reasoning) and the
+end; the exchange writes the protocol's own SSE frames and final body. No
+I/O happens in either, so both directions are testable alone. A protocol is
+served once registered (`Server.add_protocol`, in app.build).
 """
 
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
+
+from mlx_lm_plus.protocols.assembler import CompletionAssembler
+from mlx_lm_plus.protocols.tools import forced_tool
 
 
 @dataclass
@@ -27,11 +31,27 @@ class Completion:
 
 
 class Exchange:
-    """One request's answer in one protocol. Streaming: `start`, `delta`...,
-    `finish` return the SSE frames to send; not streaming, `delta` only
-    accumulates and `body` is the JSON answer."""
+    """One request's answer in one protocol, fed by the server's one drain
+    loop (http/completion.py): `assembler` once the engine accepted the
+    request, `delta` for each chunk the assembler has due, `last_delta` at
+    the end, then `finish` or `body`. Streaming: `start`, the deltas and
+    `finish` return the SSE frames to send, and `stream_error` ends a stream
+    that failed; not streaming, the deltas only accumulate and `body` is
+    the JSON answer."""
 
     id: str = ""
+
+    # Whether the protocol's clients take an SSE comment as activity (their
+    # idle timers count any bytes): then a prefill progress comment keeps
+    # the stream alive too, and `keepalive` is only due after silence.
+    comments_keep_alive: bool = False
+
+    def assembler(self, ctx, parsed) -> CompletionAssembler:
+        """What turns the engine's tokens into this answer's deltas: by
+        default one delta as soon as one is due, streaming or not (a body
+        is made of them), with no logprobs."""
+        return CompletionAssembler(ctx, parsed.request.tools, True, False, 0,
+                                   forced_tool=forced_tool(parsed.request))
 
     def start(self, prompt_tokens: int, cached_tokens: int) -> bytes:
         """The stream's first frames, once the engine accepted the request."""
@@ -39,6 +59,11 @@ class Exchange:
 
     def delta(self, text: str, tool_calls: List[dict], reasoning: str) -> bytes:
         raise NotImplementedError
+
+    def last_delta(self, text: str, tool_calls: List[dict], reasoning: str) -> bytes:
+        """What the assembler's end flushed (text held back, a call cut
+        off), just before `finish` or `body`: by default one more delta."""
+        return self.delta(text, tool_calls, reasoning)
 
     def finish(self, completion: Completion) -> bytes:
         raise NotImplementedError
@@ -71,9 +96,15 @@ class WireProtocol:
     """The request side of a protocol, and its error shape."""
 
     # The POST paths that generate (or count), and the prefix of every path
-    # this protocol answers (its errors take the protocol's shape).
+    # this protocol answers, whatever the method (`route`; its errors take
+    # the protocol's shape). Without a prefix, only POSTs to `paths` are
+    # the protocol's: other methods get the server's own answers.
     paths: tuple = ()
     prefix: str = ""
+    # Whether its clients name models of their own (claude-..., gpt-...):
+    # then a model this server doesn't serve means the default model, and
+    # the name is echoed back.
+    names_own_models: bool = False
 
     def serves(self, path: str) -> bool:
         return path in self.paths or (bool(self.prefix) and path.startswith(self.prefix))

@@ -57,11 +57,18 @@ from mlx_lm_plus.protocols.validation import (
     FOREIGN_ENFORCEMENT,
     RequestError,
     check_item_count,
-    one_of,
     parse_request,
     refuse_foreign_enforcement,
 )
 from mlx_lm_plus.protocols.base import Completion, Exchange, WireProtocol, chat_content, json_bytes, sse
+from mlx_lm_plus.protocols.tools import (
+    RESPONSES_THINKING_BY_EFFORT,
+    chat_tool,
+    has_tool,
+    named_tool,
+    thinking_switch,
+    tool_names,
+)
 
 RESPONSES = "/v1/responses"
 INPUT_TOKENS = "/v1/responses/input_tokens"
@@ -69,11 +76,6 @@ INPUT_TOKENS = "/v1/responses/input_tokens"
 # whose base URL lacks /v1 calls these).
 ALIASES = ("/responses", "/responses/input_tokens")
 
-# reasoning.effort -> the template's thinking switch.
-THINKING_BY_EFFORT = {
-    "none": False, "minimal": False,
-    "low": True, "medium": True, "high": True, "xhigh": True, "max": True,
-}
 # The error codes a failed response may carry (the SDK's ResponseError.code).
 FAILED_CODES = {400: "invalid_prompt", 404: "server_error"}
 # Sampling fields beyond the Responses API, passed along as chat completions
@@ -470,19 +472,14 @@ def _function_tool(tool: dict, at: str, namespace: Optional[str] = None) -> dict
     name = tool.get("name")
     if not isinstance(name, str) or not name:
         raise RequestError(f"{at}.name: must be a non-empty string")
-    function = {"name": flat_name(namespace, name)}
-    if tool.get("description") is not None:
-        if not isinstance(tool["description"], str):
-            raise RequestError(f"{at}.description: must be a string")
-        function["description"] = tool["description"]
-    parameters = tool.get("parameters")
-    if parameters is not None:
-        if not isinstance(parameters, dict):
-            raise RequestError(f"{at}.parameters: must be an object (a JSON schema)")
-        function["parameters"] = parameters
-    if tool.get("strict") is True:  # explicit only: held to the schema
-        function["strict"] = True
-    return {"type": "function", "function": function}
+    description, parameters = tool.get("description"), tool.get("parameters")
+    if description is not None and not isinstance(description, str):
+        raise RequestError(f"{at}.description: must be a string")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise RequestError(f"{at}.parameters: must be an object (a JSON schema)")
+    # (strict: explicit only)
+    return chat_tool(flat_name(namespace, name), description, parameters,
+                     tool.get("strict") is True)
 
 
 def _tools(tools) -> Tuple[list, Optional[list], Dict[str, Tuple[str, str]]]:
@@ -521,7 +518,7 @@ def _tools(tools) -> Tuple[list, Optional[list], Dict[str, Tuple[str, str]]]:
         else:
             raise RequestError(f"tools[{i}]: Tool type {kind!r} is not supported by this server "
                                "(function and namespace tools are; hosted tools are left out)")
-    names = [t["function"]["name"] for t in chat]
+    names = tool_names(chat)
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
         raise RequestError(f"tools: two tools are named {twice!r}")
@@ -548,7 +545,7 @@ def _tool_choice(choice, tools) -> Any:
             raise RequestError("tool_choice.name: must be a string")
         if namespace is not None and not isinstance(namespace, str):
             raise RequestError("tool_choice.namespace: must be a string")
-        if not any(t["function"]["name"] == flat_name(namespace, name) for t in tools or ()):
+        if not has_tool(tools, flat_name(namespace, name)):
             raise RequestError(f"tool_choice.name: no function tool named {name!r} in tools")
         return {"type": "function", "name": name,
                 **({"namespace": namespace} if namespace is not None else {})}
@@ -562,7 +559,7 @@ def _tool_choice(choice, tools) -> Any:
             raise RequestError("tool_choice.tools: must be a list of {'type': 'function', "
                                "'name': ...}")
         names = {flat_name(t.get("namespace"), t["name"]) for t in allowed}
-        every = {t["function"]["name"] for t in tools or ()}
+        every = set(tool_names(tools))
         if mode == "required" and not names:
             raise RequestError("tool_choice: allowed_tools 'required' needs function tools")
         if not names <= every:
@@ -581,12 +578,11 @@ def _tool_choice(choice, tools) -> Any:
 
 def _chat_tool_choice(choice) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = flat_name(choice.get("namespace"), choice["name"])
-        return {"type": "function", "function": {"name": name}}
+        return named_tool(flat_name(choice.get("namespace"), choice["name"]))
     if isinstance(choice, dict):  # allowed_tools (see _tool_choice): all, or one by name
         names = [flat_name(t.get("namespace"), t["name"]) for t in choice["tools"]]
         if choice["mode"] == "required" and len(names) == 1:
-            return {"type": "function", "function": {"name": names[0]}}
+            return named_tool(names[0])
         return choice["mode"]
     return choice
 
@@ -631,7 +627,7 @@ def _reasoning(reasoning) -> Tuple[dict, Optional[bool]]:
     if not isinstance(reasoning, dict):
         raise RequestError("reasoning: must be an object")
     effort = reasoning.get("effort")
-    thinking = None if effort is None else one_of(effort, THINKING_BY_EFFORT, "reasoning.effort:")
+    thinking = thinking_switch(effort, RESPONSES_THINKING_BY_EFFORT, "reasoning.effort:")
     summary = reasoning.get("summary")
     if summary is not None and (not isinstance(summary, str)
                                 or summary not in ("auto", "concise", "detailed")):
@@ -787,6 +783,7 @@ def to_chat_body(body: Any, store: ResponseStore,
 class ResponsesProtocol(WireProtocol):
     paths = (RESPONSES, INPUT_TOKENS, *ALIASES)
     prefix = RESPONSES
+    names_own_models = True
 
     def __init__(self, store: Optional[ResponseStore] = None, *,
                  max_responses: int = 1000, max_bytes: int = 256 * 1024**2,
