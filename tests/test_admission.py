@@ -251,8 +251,8 @@ def submit_planned(runner, body, channel):
     from mlx_lm_plus.protocols.validation import parse_request
 
     parsed = parse_request("/v1/chat/completions", body, runner.args)
-    parsed.request.planned = runner.engine.plan(parsed.request, parsed.args)
-    runner.engine.submit(channel, parsed.request, parsed.args)
+    planned = runner.engine.plan(parsed.request, parsed.args)
+    runner.engine.submit(channel, parsed.request, parsed.args, planned)
     return channel
 
 

@@ -43,7 +43,7 @@ class ScriptedEngine:
     def unhealthy_reason(self):
         return None if self.healthy else "generation thread died: RuntimeError('boom')"
 
-    def submit(self, channel, request, args):
+    def submit(self, channel, request, args, planned=None):
         if not self.healthy:
             raise EngineUnavailable("generation thread died")
         self.channels.append(channel)

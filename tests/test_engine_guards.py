@@ -303,10 +303,10 @@ def test_a_plan_made_before_admission_is_used_as_it_is(runner):
     planned_here = engine.planned_at_admission
     assert planned_here >= 1
     parsed = parse_request("/v1/chat/completions", {"max_tokens": 10, **body}, runner.args)
-    parsed.request.planned = engine.plan(parsed.request, parsed.args)
-    assert parsed.request.planned is not None
+    planned = engine.plan(parsed.request, parsed.args)
+    assert planned is not None
     channel = Collect()
-    engine.submit(channel, parsed.request, parsed.args)
+    engine.submit(channel, parsed.request, parsed.args, planned)
     tokens, _ = channel.result()
     assert tokens == alone
     assert engine.planned_at_admission == planned_here
@@ -336,8 +336,8 @@ async def test_a_handler_waits_for_the_read_ahead_of_its_entry_by_another():
     parsed = types.SimpleNamespace(request=types.SimpleNamespace(count_only=False), args=None,
                                    carried_bytes=0)
     threading.Timer(0.3, reading.set_result, (True,)).start()
-    await Server._plan(server, parsed, 0)
-    assert reading.done() and parsed.request.planned is planned
+    assert await Server._plan(server, parsed, 0) is planned
+    assert reading.done()
 
 
 def test_housekeeping_lets_stale_reads_ahead_go_on_a_quiet_server(fixture_path):
@@ -370,7 +370,7 @@ def test_requests_after_a_stop_are_answered(fixture_path):
     save = engine._save_to_disk
 
     def save_while_one_comes():
-        engine.requests.put((late, parsed.request, parsed.args))  # (past submit's check)
+        engine.requests.put((late, parsed.request, parsed.args, None))  # (past submit's check)
         save()
 
     engine._save_to_disk = save_while_one_comes

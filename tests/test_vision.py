@@ -297,10 +297,9 @@ def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
     planner.start()
     planner.join()
     assert planned[0] is not None and parsed.request.images is None
-    parsed.request.planned = planned[0]
     before = engine.planned_at_admission
     channel = Collect()
-    engine.submit(channel, parsed.request, parsed.args)
+    engine.submit(channel, parsed.request, parsed.args, planned[0])
     tokens, _ = channel.result()
     assert engine.planned_at_admission == before
     assert tokens == cold.run(body)[0]
@@ -353,11 +352,11 @@ def test_image_plans_made_ahead_are_bounded(fixture_path):
         # Admitted, a plan is no longer ahead, though its request holds it
         # (a sequential request would until it ends).
         parsed = parse_request("/v1/chat/completions", copy.deepcopy(body), r.args)
-        held = parsed.request.planned = r.engine.plan(parsed.request, parsed.args)
+        held = r.engine.plan(parsed.request, parsed.args)
         assert held is None  # (two ahead again)
-        parsed.request.planned = held = second
+        held = second
         channel = Collect()
-        r.engine.submit(channel, parsed.request, parsed.args)
+        r.engine.submit(channel, parsed.request, parsed.args, held)
         channel.result()
         assert held is second and plan() is not None
         # (Text requests are planned ahead whatever the images held.)
@@ -555,8 +554,8 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
     engine, server = build(cli)
     submitted = []
     real_submit = engine.submit
-    engine.submit = lambda channel, req, args: (submitted.append(req),
-                                                real_submit(channel, req, args))[1]
+    engine.submit = lambda channel, req, args, planned=None: (
+        submitted.append(req), real_submit(channel, req, args, planned))[1]
     engine.start()
     try:
         client = await aiohttp_client(make_app(server))

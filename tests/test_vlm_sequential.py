@@ -237,10 +237,9 @@ def test_planned_off_the_generation_thread(runner, reference):
     planner.start()
     planner.join()
     assert planned[0] is not None
-    parsed.request.planned = planned[0]
     before = runner.engine.planned_at_admission
     channel = Collect()
-    runner.engine.submit(channel, parsed.request, parsed.args)
+    runner.engine.submit(channel, parsed.request, parsed.args, planned[0])
     tokens, _ = channel.result()
     assert runner.engine.planned_at_admission == before
     assert tokens == reference(messages, 10)

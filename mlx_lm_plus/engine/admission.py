@@ -3,7 +3,7 @@
 (`Admission`), and the states a request taken off the queue can be in."""
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from mlx_lm_plus.planning.prompt import PromptPlan
 
@@ -18,7 +18,7 @@ READY, LOADING, ROOM, BLOCKED = "ready", "loading", "room", "blocked"
 PARKED = object()
 
 
-@dataclass(eq=False)  # (identity: Planner.image_plans is a WeakSet of them)
+@dataclass(eq=False, frozen=True)  # (identity: Planner.image_plans is a WeakSet of them)
 class Planned:
     """A request planned off the generation thread (`Planner.plan`, run by the
     HTTP layer's planning thread): its prompt plan and its constraint's
@@ -31,6 +31,18 @@ class Planned:
     budget: Any = None  # a reasoning.ThinkingBudget, or None
     # The model has a disk tier: Planner.read_ahead may read its entry first.
     on_disk: bool = False
+
+
+class Queued(NamedTuple):
+    """A request as the HTTP side submits it: its channel, the validated
+    request and its GenerationArguments, and its plan when one was made
+    ahead (None: planned at admission). The plan travels here, beside the
+    request, never written onto it."""
+
+    channel: Any
+    request: Any  # protocols.validation.Request
+    args: Any  # mlx_lm.server.GenerationArguments
+    planned: Optional[Planned] = None
 
 
 @dataclass

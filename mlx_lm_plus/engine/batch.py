@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from mlx_lm.generate import BatchGenerator
 
 from mlx_lm_plus.engine import taps
-from mlx_lm_plus.engine.admission import Admission, Planned
+from mlx_lm_plus.engine.admission import Admission, Planned, Queued
 from mlx_lm_plus.engine.channel import deliver
 from mlx_lm_plus.engine.distributed import HANDOFF_STOPPED
 from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
@@ -347,7 +347,7 @@ class _Batch:
                     break
         if best is None:
             return False
-        request[1].planned = planned
+        request = Queued(*request[:3], planned)  # (admitted again with its plan)
         self._parked.append([*best, request])
         request[0].put((0, len(plan.tokens)))
         request[0].set_aside_at = time.monotonic()  # (keepalives: ModelResidency.tick)

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from mlx_lm_plus.engine.admission import Queued
 from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.errors import EngineUnavailable, InternalError, ModelLoadError, is_out_of_memory
 from mlx_lm_plus.models.provider import group_max, loadable_fingerprint
@@ -255,17 +256,17 @@ class Group:
         it)."""
         data = self.share(data, HANDOFF_REQUEST, stopping)
         # (Rank 0 keeps its own; the others get a sink for the channel.)
-        shared = request[1:] if request is not None else (
+        shared = request[1:3] if request is not None else (
             None if data is None else _unpickle(data))
         if shared is None:
             return None
         channel = request[0] if request is not None else Channel()
-        return (channel, *shared)
+        return Queued(channel, *shared)  # (plans are made on every rank: none ahead)
 
 
 def pickled(request) -> bytes:
     """A queued request's (request, args), as the other ranks will unpickle
     them (raises where they can't be)."""
-    data = pickle.dumps(request[1:])
+    data = pickle.dumps(tuple(request[1:3]))
     _unpickle(data)
     return data

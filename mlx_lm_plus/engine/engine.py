@@ -64,7 +64,7 @@ import mlx.core as mx
 from mlx_lm.server import TimeBudget
 
 from mlx_lm_plus.cache.store import PromptStore, cache_nbytes
-from mlx_lm_plus.engine.admission import PARKED, Admission, Planned
+from mlx_lm_plus.engine.admission import PARKED, Admission, Planned, Queued
 from mlx_lm_plus.engine.batch import _Batch
 from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.engine.distributed import Group, ends_the_group, group_end_reason, group_lost_error, is_group_lost
@@ -328,12 +328,13 @@ class Engine:
             f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
         )
 
-    def submit(self, channel, request, args):
+    def submit(self, channel, request, args, planned: Optional[Planned] = None):
+        """Queue a request (`planned`: its plan, made ahead by `plan`)."""
         if not self.is_healthy:
             raise self._unavailable()
         if self._stop:
             raise EngineUnavailable("server shutting down")
-        self.requests.put((channel, request, args))
+        self.requests.put(Queued(channel, request, args, planned))
         if self.hung:
             # The watchdog drained the queue before this put landed.
             self.scheduler.fail_queue(self._unavailable())
@@ -642,7 +643,7 @@ class Engine:
     def _admit(self, request, stream):
         """Admit a request whose model is loaded: into that model's batch
         (started if it has none), or the sequential path."""
-        channel, req, args = request
+        channel, req, args, planned = request
         if self.group.gone(channel):
             channel.removed()
             return
@@ -662,7 +663,7 @@ class Engine:
         if not self.facts.is_batchable(lm, req, args):
             self._current, self._current_key = channel, lm.key
             try:
-                self.sequential.serve(lm, channel, req, args, stream)
+                self.sequential.serve(lm, channel, req, args, planned, stream)
             finally:
                 self._current = self._current_key = None
             return
@@ -683,7 +684,7 @@ class Engine:
             stepped += time.perf_counter() - step_tic
 
         admission = self._prepare(
-            lm, channel, req, args, batch=(batch, request),
+            lm, channel, req, args, planned, batch=(batch, request),
             between_chunks=None if self._is_distributed else between_chunks)
         if admission is not PARKED:
             if admission is not None:
@@ -693,7 +694,8 @@ class Engine:
             self.counters.admitted += 1
         self.counters.thread_seconds["admission"] += time.perf_counter() - tic - stepped
 
-    def _prepare(self, lm, channel, request, args, batch=None, between_chunks=None):
+    def _prepare(self, lm, channel, request, args, planned=None, batch=None,
+                 between_chunks=None):
         """A request's admission into the batch: its plan, its cached prefix
         and, on vision-language models, its images through the vision tower
         and prefilled (unless the cache covers them; `between_chunks`: see
@@ -703,7 +705,7 @@ class Engine:
         fetched (PARKED), and whose requests may store its divergence
         checkpoint already."""
         try:
-            planned = self.planner.for_model(lm, request, args)
+            planned = self.planner.for_model(lm, request, args, planned)
         except PromptError as e:
             channel.put(e)
             return None

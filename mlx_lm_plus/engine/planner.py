@@ -110,11 +110,9 @@ class Planner:
             return None
         return read if isinstance(read, Future) else None
 
-    def for_model(self, lm, request, args) -> Planned:
-        """The request's plan for model `lm`: the one made off this thread if
-        it was made for that model, else made now."""
-        planned = getattr(request, "planned", None)
-        request.planned = None
+    def for_model(self, lm, request, args, planned: Optional[Planned] = None) -> Planned:
+        """The request's plan for model `lm`: `planned`, the one made off this
+        thread, if it was made for that model, else one made now."""
         if planned is not None:
             # Admitted: no longer one planned ahead, however long something
             # holds it (a sequential request, until it ends).

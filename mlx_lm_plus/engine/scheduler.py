@@ -43,7 +43,7 @@ class Scheduler:
         self.decoding = decoding
         self.stopping = stopping
         self.group_lost = group_lost
-        self.queue = Queue()  # (channel, request, args), as submitted
+        self.queue = Queue()  # admission.Queued, as submitted
         self.pending = []  # requests set aside: waiting for a model to load or for room
         self._placed = set()  # ids of the waiting requests that ordering placed
         self.admitting = None  # the channel of the request being placed
@@ -151,7 +151,7 @@ class Scheduler:
             self._placed = {id(r) for r in waiting if id(r) in present}
 
     def _work(self, request) -> Tuple[int, int]:
-        planned = getattr(request[1], "planned", None)
+        planned = request[3]
         if planned is None:
             return 1, 0
         key = planned.plan.cache_key
@@ -208,7 +208,7 @@ class Scheduler:
             return request_error(e, "admitting the request")
 
     def _find_readiness(self, request):
-        channel, req, args = request
+        channel, req, args, _ = request
         if self.group.gone(channel):
             return READY  # (_admit lets it go)
         provider = self.provider
@@ -252,7 +252,7 @@ class Scheduler:
     def fail_queue(self, error: Exception):
         while True:
             try:
-                channel, _, _ = self.queue.get_nowait()
+                channel = self.queue.get_nowait()[0]
             except Empty:
                 return
             channel.put(error)

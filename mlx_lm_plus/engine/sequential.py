@@ -32,7 +32,7 @@ class SequentialRunner:
     def __init__(self, host: RunnerHost):
         self.host = host
 
-    def serve(self, lm, channel, request, args, stream):
+    def serve(self, lm, channel, request, args, planned, stream):
         """Sequential path: seed, draft model, images (and --kv-bits on models
         quantized_batch.py does not batch), and every request for a model
         served through mlx-vlm's own generation (vlm_generation.py)."""
@@ -41,7 +41,7 @@ class SequentialRunner:
         host.counters.admitted += 1
         try:
             tokenizer, draft_model = lm.tokenizer, lm.draft_model
-            planned = host.planner.for_model(lm, request, args)
+            planned = host.planner.for_model(lm, request, args, planned)
             plan, constraint = planned.plan, planned.constraint
             ctx, stop_sequences = host.planner.context(lm, plan, args)
             if args.seed is not None:
@@ -64,7 +64,7 @@ class SequentialRunner:
             if constraint is not None:
                 logits_processors.append(constraint)
 
-            cache_key = plan.cache_key
+            cache_key = list(plan.cache_key)  # (the plan is not ours to grow)
             through_mlx_vlm = isinstance(lm.processor, MlxVlmGeneration)
             if through_mlx_vlm:
                 cache, generation = self._mlx_vlm_generation(

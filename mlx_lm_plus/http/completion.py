@@ -163,7 +163,7 @@ class Completions:
                 await inline_remote_images(parsed.request, self.cli_args)
             await self._decode_images(parsed.request, parsed.args.model)
             await self._constrain(parsed.request, parsed.args.model, track.body_bytes)
-            await self._plan(parsed, track.body_bytes)
+            planned = await self._plan(parsed, track.body_bytes)
         except RequestError as e:
             return self.error(request, str(e), e.status)
         except (EngineUnavailable, LaneBusy) as e:
@@ -182,7 +182,7 @@ class Completions:
         channel = AsyncChannel(asyncio.get_running_loop())
         self._arrived(track)
         try:
-            self.engine.submit(channel, parsed.request, parsed.args)
+            self.engine.submit(channel, parsed.request, parsed.args, planned)
         except EngineUnavailable as e:
             return self.unavailable(request, str(e))
 

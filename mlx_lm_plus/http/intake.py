@@ -225,24 +225,24 @@ class Intake:
     async def _plan(self, parsed, body_bytes: int):
         """Plan the prompt in a planning lane before the request is queued
         (a large body's in the large lane: images, long conversations), so
-        the generation thread only looks it up (Engine.plan; None: the
-        engine plans it at admission). A bad prompt is the client's 400;
-        LaneBusy past --planning-timeout."""
+        the generation thread only looks it up. Returns the plan, to be
+        submitted beside the request (Engine.plan; None: the engine plans
+        it at admission). A bad prompt is the client's 400; LaneBusy past
+        --planning-timeout."""
         plan = getattr(self.engine, "plan", None)
         if plan is None or parsed.request.count_only:
-            return
+            return None
         size = body_bytes + parsed.carried_bytes
         lane = self._planner_large if size > LARGE_LANE_PLAN_BYTES else self._planner
         try:
-            planned = parsed.request.planned = await self._in_lane(
-                lane, plan, parsed.request, parsed.args)
+            planned = await self._in_lane(lane, plan, parsed.request, parsed.args)
         except PromptError as e:
             raise RequestError(str(e)) from e
         except (LaneBusy, EngineUnavailable):
             raise
         except Exception:  # the engine plans it again, and answers
             logging.exception("Planning a prompt failed")
-            return
+            return None
         if planned is not None and planned.on_disk:
             # Its disk entry read here, not on the generation thread; if
             # another request's handler is reading it, that read is waited
@@ -251,6 +251,7 @@ class Intake:
             reading = await loop.run_in_executor(None, self.engine.read_ahead, planned)
             if reading is not None:
                 await asyncio.wait({asyncio.wrap_future(reading)}, timeout=READ_AHEAD_SECONDS)
+        return planned
 
     def _vocab_size(self, name):
         """Model `name`'s vocabulary size for the top_k and logit_bias checks
