@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.cache_reuse import SYSTEM, _reply, _user
-from mlx_lm_plus.cache.store import PromptStore, cache_nbytes
+from mlx_lm_plus.cache.layers import cache_nbytes
+from mlx_lm_plus.cache.store import PromptStore
 
 KINDS = ("qwen3_5", "mamba2", "gemma3_text", "qwen3")
 

@@ -10,7 +10,7 @@ from mlx_lm_plus.cache.store import PromptStore
 from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.engine.engine import Engine
 from mlx_lm_plus.models.provider import ModelProvider
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 from mlx_lm_plus.protocols.validation import parse_request
 
 

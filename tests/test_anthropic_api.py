@@ -332,7 +332,7 @@ def test_billing_header_removed_by_default_kept_on_request():
     session's shared system prompt is only reused by the next without it."""
     from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
     from mlx_lm_plus.app import build
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     body = {"model": "m", "max_tokens": 2, "messages": user("hi"),
             "system": [billing("65abc"), {"type": "text", "text": "You are Claude Code."}]}

@@ -11,7 +11,7 @@ from mlx_lm.generate import TextStateMachine
 
 from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server, make_app
 from mlx_lm_plus.errors import EngineUnavailable, PromptError
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 
 
 class ScriptedEngine:

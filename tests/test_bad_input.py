@@ -370,7 +370,7 @@ def test_stop_strings_and_penalty_look_backs_are_bounded():
         RequestError,
         parse_request,
     )
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     args = parse_args([])
     base = {"messages": [{"role": "user", "content": "hi"}]}
@@ -392,7 +392,7 @@ def test_wire_protocol_items_are_bounded_before_they_are_translated():
     function_call items stalled every stream for 8 s to get a 400)."""
     from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
     from mlx_lm_plus.protocols.responses import ResponsesProtocol
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
     from mlx_lm_plus.protocols.validation import RequestError
 
     from mlx_lm_plus.protocols.validation import count_items

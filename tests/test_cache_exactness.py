@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_plus.cache.store import compact
+from mlx_lm_plus.cache.layers import compact
 from tests.engine_harness import EngineRunner
 
 KINDS = ["qwen3", "qwen3_5", "mamba2", "gemma3_text", "nemotron_h"]

@@ -15,15 +15,13 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlx_lm_plus.cache.layers import cache_nbytes, compact, make_span
 from mlx_lm_plus.cache.store import (
     ENTRY_BYTES,
     NODE_BYTES,
     PASSED_PROMPT_MAX_GAP,
     Fetched,
     PromptStore,
-    cache_nbytes,
-    compact,
-    make_span,
 )
 
 
@@ -233,10 +231,6 @@ def test_zero_sequences_or_bytes_means_no_prompt_cache():
         assert store.stats["not_stored"] == 2
 
 
-def _tree_nodes(store):
-    return sum(1 for _ in _walk(store._roots.values()))
-
-
 def _walk(nodes):
     stack = list(nodes)
     while stack:
@@ -255,7 +249,8 @@ def test_index_bytes_are_counted_and_budgeted():
     assert s["cached_tokens"] == 100_000
     store.clear()
     s = store.snapshot()
-    assert s["bytes"] == s["index_bytes"] == s["kv_bytes"] == 0 and not store._roots
+    assert s["bytes"] == s["index_bytes"] == s["kv_bytes"] == 0 and store.recount()["nodes"] == 0
+    store.check_invariants()
 
     # Two such keys don't fit in 1 MB: the budget evicts for the index alone.
     store = PromptStore(max_bytes=1_000_000)
@@ -280,7 +275,7 @@ def test_edges_are_compressed():
                      kind="generated")
         store.insert(MODEL, system + [i] * 10, recurrent(1), kind="checkpoint")
     assert len(store) == 2 * n and store.leaf_count() == n
-    nodes = _tree_nodes(store)
+    nodes = store.recount()["nodes"]
     assert nodes <= 2 * n + 2  # root, the system prompt's end, n checkpoints, n ends
     distinct = len(system) + n * (10 + 2000)
     index = store.index_bytes
@@ -295,6 +290,44 @@ def test_edges_are_compressed():
     assert (f.kind, f.cached) == ("checkpoint", len(system) + 10)
     assert store.divergence(MODEL, system + [3] * 10 + list(range(5000, 5100)))[0] == \
         len(system) + 110
+
+
+def test_check_invariants_fails_on_broken_bookkeeping():
+    """check_invariants() (what the other tests check the tree with) fails
+    on a store whose bookkeeping is put wrong on purpose, naming what."""
+    def filled():
+        store = PromptStore(max_bytes=1 << 30)
+        store.insert(MODEL, [1, 2, 3, 4], hybrid(4), "checkpoint")
+        store.insert(MODEL, [1, 2, 3, 4, 5, 6], hybrid(6), "generated")
+        store.insert(MODEL, [1, 2, 9], hybrid(3))
+        assert len(store) == 3
+        store.check_invariants(limits=True)
+        return store
+
+    store = filled()
+    store.kv_bytes += 1  # a byte count off by one
+    with pytest.raises(AssertionError, match="kv_bytes is"):
+        store.check_invariants()
+    store.kv_bytes -= 1
+    store.check_invariants()
+
+    store = filled()
+    (inner,) = [e for e in store.entries() if e.ntokens == 4]
+    inner.node.below += 1  # the count of entries below a node
+    with pytest.raises(AssertionError, match="below is"):
+        store.check_invariants()
+
+    store = filled()
+    (leaf,) = [e for e in store.entries() if e.ntokens == 3]
+    leaf.node.entry = None  # a node that lost its entry's back-link
+    with pytest.raises(AssertionError, match="not its node's entry"):
+        store.check_invariants()
+
+    store = filled()
+    store.max_bytes = store.nbytes - 1  # limits lowered: only limits=True checks them
+    store.check_invariants()
+    with pytest.raises(AssertionError, match="over the budget"):
+        store.check_invariants(limits=True)
 
 
 # -- a randomized comparison with the per-token trie --
@@ -614,15 +647,15 @@ def test_matches_the_per_token_trie(seed):
         assert counted["spans_cover_edges"] and store.tree_tokens == counted["edge_tokens"]
         if 0.45 <= op < 0.9 and key:  # enforced on every insert
             assert store.nbytes <= max(store.max_bytes, 0), step
-        # Compressed: no node without an entry on a path that does not branch.
-        for n in _walk(store._roots.values()):
-            assert n.parent is None or n.entry is not None or len(n.children) >= 2
-            assert all(c.parent is n and c.edge[0] == t and c.depth == n.depth + len(c.edge)
-                       for t, c in n.children.items())
+        # Compressed: no node without an entry on a path that does not branch;
+        # children linked to their parents under their first tokens, at
+        # their depths (and the rest of the bookkeeping consistent).
+        store.check_invariants()
         held = max(held, len(store))
     assert held > 1  # the comparison was not of empty stores
     store.clear()
-    assert store.nbytes == store.index_bytes == 0 and not store._roots
+    assert store.nbytes == store.index_bytes == 0 and store.recount()["nodes"] == 0
+    store.check_invariants()
 
 
 # -- quantized storage (--prompt-cache-bits) --
@@ -630,7 +663,7 @@ def test_matches_the_per_token_trie(seed):
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache  # noqa: E402
 
-from mlx_lm_plus.cache.store import (  # noqa: E402
+from mlx_lm_plus.cache.layers import (  # noqa: E402
     SharedKV,
     StoredKV,
     quantize_for_store,

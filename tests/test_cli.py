@@ -7,7 +7,7 @@ import sys
 import mlx_lm.server as upstream
 import pytest
 
-from mlx_lm_plus.server import OUR_FLAGS, build_parser, parse_args
+from mlx_lm_plus.config import OUR_FLAGS, build_parser, parse_args
 
 
 def upstream_parser() -> argparse.ArgumentParser:
@@ -57,6 +57,34 @@ def test_every_upstream_flag_same_name_type_default():
         flag for spec in theirs.values() for flag in spec[0]
     }
     assert extra == set(OUR_FLAGS)
+
+
+def test_the_config_has_a_typed_field_for_every_flag_with_its_default():
+    """config.Config: one field per flag (and `models`, every --model), with
+    the parser's default, so a Config built in code is the server's with no
+    flags; and the field's type is the flag's."""
+    import dataclasses
+    import typing
+
+    from mlx_lm_plus.config import Config
+
+    parser = build_parser()
+    dests = {a.dest: a for a in parser._actions if a.dest != "help"}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert set(fields) == set(dests) | {"models"}
+    assert parse_args([]) == Config()
+    hints = typing.get_type_hints(Config)
+    for dest, action in dests.items():
+        kind = hints[dest]
+        allowed = typing.get_args(kind) or (kind,)
+        allowed = tuple(typing.get_origin(k) or k for k in allowed)
+        numbers = (int, float) if float in allowed else ()
+        if action.default is not None and action.type in (int, float, str, None):
+            assert isinstance(action.default, allowed + numbers), dest
+        if action.type in (int, float, str):
+            assert action.type in allowed, dest
+        if isinstance(action, (argparse._StoreTrueAction,)):
+            assert kind is bool, dest
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import threading
 from mlx_lm_plus import app as app_module
 from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server
 from mlx_lm_plus.http.connections import HEAD_SECONDS, NEW_GRACE, ConnectionLimit, default_max_open
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 from tests.test_api import ScriptedEngine, ctx, tokens
 
 

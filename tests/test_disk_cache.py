@@ -197,38 +197,43 @@ def test_compacted_to_the_tokens_held(tier_dir):
 def test_quantized_store_layers_round_trip(tier_dir):
     """What a PromptStore with --prompt-cache-bits evicts (its quantized
     layers keep their layer's class, dtype and attributes) comes back whole."""
-    from mlx_lm_plus.cache import store
+    from mlx_lm_plus.cache import layers as cache_layers
 
-    if not hasattr(store, "quantize_for_store"):
-        pytest.skip("no quantized storage in mlx_lm_plus.cache.store")
+    if not hasattr(cache_layers, "quantize_for_store"):
+        pytest.skip("no quantized storage in mlx_lm_plus.cache.layers")
     layers = [kv(4, mx.bfloat16, dim=32), kv(4, mx.bfloat16, MRopeKVCache, seed=2, dim=32)]
     layers[1].rope_delta = 11
-    stored_layers = store.quantize_for_store(layers, 4, 32)
-    want = flat(store.restore_from_store(stored_layers, trim=1))
+    stored_layers = cache_layers.quantize_for_store(layers, 4, 32)
+    want = flat(cache_layers.restore_from_store(stored_layers, trim=1))
     t = make_tier(tier_dir)
     stored(t, [1, 2, 3, 4], stored_layers)
     back = t.load(t.find([1, 2, 3, 4, 5])[1])
     assert [type(c) for c in back] == [type(c) for c in stored_layers]
-    restored = store.restore_from_store(back, trim=1)
+    restored = cache_layers.restore_from_store(back, trim=1)
     assert flat(restored) == want and restored[1].rope_delta == 11
     t.close()
 
 
-def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkeypatch):
+@pytest.mark.parametrize("stored_kv_module", ["mlx_lm_plus.cache", "mlx_lm_plus.cache.store"])
+def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkeypatch,
+                                                                stored_kv_module):
     """Files record layer classes as module:qualname. Entries written before
     the package moved into folders name mlx_lm_plus.vision and
-    mlx_lm_plus.cache: they load as the classes that moved."""
-    from mlx_lm_plus.cache import disk, store
+    mlx_lm_plus.cache; those written before the layer helpers left the
+    store name mlx_lm_plus.cache.store (StoredKV): they load as the classes
+    that moved."""
+    from mlx_lm_plus.cache import disk
+    from mlx_lm_plus.cache.layers import quantize_for_store
 
     layers = [kv(3, cls=PlainKVCache, seed=6), kv(4, mx.bfloat16, MRopeKVCache, seed=2, dim=32)]
-    layers = [layers[0]] + store.quantize_for_store(layers[1:], 4, 32)
+    layers = [layers[0]] + quantize_for_store(layers[1:], 4, 32)
     want = flat(layers)
     new_name = disk._type_name
     old_names = []
 
     def before_the_split(cls):  # as the files written then name the classes
         name = new_name(cls).replace("mlx_lm_plus.models.vision:", "mlx_lm_plus.vision:")
-        name = name.replace("mlx_lm_plus.cache.store:", "mlx_lm_plus.cache:")
+        name = name.replace("mlx_lm_plus.cache.layers:", f"{stored_kv_module}:")
         old_names.append(name) if name != new_name(cls) else None
         return name
 
@@ -236,7 +241,7 @@ def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkey
     t = make_tier(tier_dir)
     stored(t, [1, 2, 3], layers)
     t.close()
-    assert {n.split(":")[0] for n in old_names} == {"mlx_lm_plus.vision", "mlx_lm_plus.cache"}
+    assert {n.split(":")[0] for n in old_names} == {"mlx_lm_plus.vision", stored_kv_module}
     t = make_tier(tier_dir)
     back = t.load(t.find([1, 2, 3, 4])[1])
     assert back is not None and flat(back) == want

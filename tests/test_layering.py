@@ -10,7 +10,8 @@ module and the line.
     cache/      a library               -> nothing of ours
 
 Every room may use the package's leaf modules (errors, logs, upstream,
-codec); only app.py (the wiring) imports http/. Inside engine/, no module
+codec); only app.py (the wiring) imports http/, and config.py (the flags,
+read by server.py and app.py) looks only at models/ (the served set). Inside engine/, no module
 imports the facade (engine/engine.py) back.
 """
 
@@ -29,9 +30,10 @@ ALLOWED = {
     "cache": set(),
     "patches": set(),
     "errors": set(), "logs": set(), "upstream": set(), "codec": set(),
-    # The wiring and the command line.
-    "app": {"http", "protocols", "engine", "planning", "models", "cache"},
-    "server": {"app", "models"},
+    # The wiring, the configuration and the command line.
+    "app": {"http", "protocols", "engine", "planning", "models", "cache", "config"},
+    "config": {"models"},
+    "server": {"app", "config", "models"},
     "__main__": {"server"},
 }
 

@@ -14,7 +14,7 @@ from mlx_lm.server import ModelDescription
 from compat.launch import OURS, ServerProcess, parse_sse
 from mlx_lm_plus.models.provider import ModelProvider
 from mlx_lm_plus.models.served import read_models_config
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 
 KINDS = {"alpha": "qwen3", "beta": "llama", "gamma": "qwen3_5"}
 SYSTEM = "You are a helpful assistant. Answer briefly and clearly, in plain words."

@@ -10,7 +10,7 @@ from mlx_lm_plus.app import build
 from mlx_lm_plus.http.server import make_app
 from mlx_lm_plus.protocols.base import Exchange, WireProtocol
 from mlx_lm_plus.protocols.validation import parse_request
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 from tests.test_api import served
 
 ECHO = "/v1/echo-completions"

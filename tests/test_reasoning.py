@@ -136,7 +136,7 @@ def test_budgets_of_the_effort_fields():
     from mlx_lm_plus.protocols.anthropic import to_chat_body as anthropic_chat
     from mlx_lm_plus.protocols.responses import ResponseStore
     from mlx_lm_plus.protocols.responses import to_chat_body as responses_chat
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
     from mlx_lm_plus.protocols.validation import parse_request
 
     cli = parse_args(["--model", "m"])

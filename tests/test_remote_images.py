@@ -324,7 +324,7 @@ def test_vision_completion_from_a_remote_image(fixture_path):
 
     from mlx_lm_plus.http.server import make_app
     from mlx_lm_plus.app import build
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
     from tests.test_vision import png
 
     data_url = png((200, 30, 30))

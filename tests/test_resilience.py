@@ -11,7 +11,7 @@ from mlx_lm_plus.engine import engine as engine_module
 from mlx_lm_plus.http.server import make_app
 from mlx_lm_plus.app import build
 from mlx_lm_plus.errors import EngineUnavailable
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 from tests.engine_harness import Collect, EngineRunner
 
 LONG = " ".join(f"Paragraph {i} talks about rivers, boats and the weather." for i in range(40))

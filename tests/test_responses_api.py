@@ -28,7 +28,7 @@ from mlx_lm_plus.protocols.responses import (
     output_messages,
     to_chat_body,
 )
-from mlx_lm_plus.server import parse_args
+from mlx_lm_plus.config import parse_args
 from mlx_lm_plus.protocols.validation import RequestError
 from mlx_lm_plus.protocols.base import Completion
 

@@ -133,7 +133,7 @@ def test_the_probe_keeps_nothing(kind, fixture_path):
     """What the probe's taps kept goes with it: a model that never taps a
     chunk held every recurrent layer's probe states for good."""
     from mlx_lm_plus.models.provider import ModelProvider
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     provider = ModelProvider(parse_args(["--model", str(fixture_path(kind))]))
     model = provider.load(provider.default_key).model

@@ -544,7 +544,7 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
     from mlx_lm_plus.models import vision
     from mlx_lm_plus.http.server import make_app
     from mlx_lm_plus.app import build
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     threads = []
     real = vision.decode_image
@@ -617,7 +617,7 @@ def test_image_scaling_is_known_before_the_model_loads(fixture_path, family):
 
     from mlx_lm_plus.engine.engine import Engine
     from mlx_lm_plus.models.provider import ModelProvider
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     path = fixture_path(family)
     provider = ModelProvider(parse_args(["--model", str(path)]))

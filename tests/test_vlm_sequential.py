@@ -137,7 +137,7 @@ def test_without_the_config_mistral3_is_text_only(fixture_path):
 
     from mlx_lm_plus.engine.engine import Engine
     from mlx_lm_plus.models.provider import ModelProvider
-    from mlx_lm_plus.server import parse_args
+    from mlx_lm_plus.config import parse_args
 
     provider = ModelProvider(parse_args(["--model", str(fixture_path("mistral3_vl"))]))
     engine = Engine(provider, store=None)

@@ -1,3 +1,4 @@
 """The prompt cache: a token-level radix tree of layer caches under a byte
-budget (store.py) and its disk tier (disk.py). A library: it imports nothing
+budget (store.py) and its disk tier (disk.py), which share the token trie
+(radix.py) and the layer helpers (layers.py). A library: it imports nothing
 of the package but logs."""

@@ -22,7 +22,7 @@ negative) and every state array of every layer ("a0", "a1", ...); its
 metadata holds each layer's class (module:name), its `state`'s structure
 (the arrays' places, the scalars) and its other attributes, the ones
 without arrays (what `state` leaves out: MRopeKVCache.rope_delta,
-cache.StoredKV's layer class and dtype), as JSON; the entry's kind; and an
+layers.StoredKV's layer class and dtype), as JSON; the entry's kind; and an
 xxh3 checksum of the whole file (the header's first field, its own 16 digits
 hashed as zeros), so a flipped digit of a layer's offset is caught as surely
 as a flipped bit of its keys. A layer is rebuilt as mlx_lm's
@@ -86,7 +86,8 @@ import numpy as np
 import xxhash
 from mlx_lm.models.cache import QuantizedKVCache
 
-from mlx_lm_plus.cache.store import _TOKENS, _matching, cache_nbytes, compact, descend, trims_to_any_prefix
+from mlx_lm_plus.cache.layers import cache_nbytes, compact, trims_to_any_prefix
+from mlx_lm_plus.cache.radix import TOKENS, Node, descend, matching
 from mlx_lm_plus.logs import warn_once
 
 # Part of every identity: a change of the file format starts a new folder.
@@ -135,6 +136,15 @@ _MOVED_MODULES = {
     "mlx_lm_plus.vision": "mlx_lm_plus.models.vision",
     "mlx_lm_plus.taps": "mlx_lm_plus.engine.taps",
     "mlx_lm_plus.quantized_batch": "mlx_lm_plus.engine.quantized_batch",
+}
+# Classes that moved out of a module (`module:qualname` as files name them),
+# looked up before _MOVED_MODULES: StoredKV went from cache.py to
+# cache/store.py, then to cache/layers.py. (Of the classes that moved with
+# it, it is the only one a file names: SharedKV has no from_state, so no
+# file holds one.)
+_MOVED_CLASSES = {
+    "mlx_lm_plus.cache:StoredKV": "mlx_lm_plus.cache.layers:StoredKV",
+    "mlx_lm_plus.cache.store:StoredKV": "mlx_lm_plus.cache.layers:StoredKV",
 }
 
 
@@ -224,6 +234,7 @@ def _resolve_class(name: str) -> type:
     module, _, qualname = name.partition(":")
     if not module.startswith(_CLASS_PACKAGES) or not qualname:
         raise ValueError(f"not a known class: {name}")
+    module, _, qualname = _MOVED_CLASSES.get(name, name).partition(":")
     obj = importlib.import_module(_MOVED_MODULES.get(module, module))
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -235,7 +246,7 @@ def _resolve_class(name: str) -> type:
 def _encode(value, arrays: List[mx.array]):
     """A layer's state or attribute as JSON. Arrays go to `arrays` and are
     named by their place; tuples, dicts, classes and dtypes are tagged
-    (QuantizedKVCache's buffers are tuples; mlx_lm_plus.cache.store.StoredKV
+    (QuantizedKVCache's buffers are tuples; mlx_lm_plus.cache.layers.StoredKV
     keeps its layer's class, dtype and attributes)."""
     if isinstance(value, mx.array):
         arrays.append(value)
@@ -420,7 +431,7 @@ def _own_folder(path: str):
 
 
 def _compact(cache: List[Any]) -> List[Any]:
-    """Only the tokens held go to disk: cache.compact for KV caches, and
+    """Only the tokens held go to disk: layers.compact for KV caches, and
     QuantizedKVCache's buffers (also allocated in steps of 256) cut alike."""
     for c in cache:
         if (isinstance(c, QuantizedKVCache) and c.keys is not None
@@ -447,17 +458,6 @@ class DiskEntry:
     kind: str
     last_used: float
     node: Any = field(default=None, repr=False)
-
-
-class _Node:
-    __slots__ = ("parent", "edge", "depth", "children", "entry")
-
-    def __init__(self, parent, edge: array, depth: int):
-        self.parent = parent
-        self.edge = edge  # tokens from the parent to here
-        self.depth = depth
-        self.children: Dict[int, "_Node"] = {}  # by the edge's first token
-        self.entry: Optional[DiskEntry] = None
 
 
 @dataclass
@@ -499,7 +499,7 @@ class DiskTier:
                                 else min(max_bytes // 4, 1 << 30))
         self.enabled = False
         self._lock = threading.Lock()
-        self._root = _Node(None, array(_TOKENS), 0)
+        self._root = Node(None, array(TOKENS), 0)
         self._entries: Dict[str, DiskEntry] = {}
         self._bytes = 0
         self._tokens = 0
@@ -611,11 +611,11 @@ class DiskTier:
             if not isinstance(name, str) or not _NAME.fullmatch(name):
                 stale.append(name)  # never made into a path
                 continue
-            tokens = array(_TOKENS)
+            tokens = array(TOKENS)
             try:
                 tokens.frombytes(key)
             except (TypeError, ValueError):
-                tokens = array(_TOKENS)
+                tokens = array(TOKENS)
             if (files.pop(name, None) != nbytes or len(tokens) != ntokens
                     or ntokens == 0 or name in self._entries):
                 stale.append(name)  # no file, or not the one written
@@ -644,12 +644,12 @@ class DiskTier:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                child = node.children[tokens[pos]] = _Node(node, tokens[pos:], len(tokens))
+                child = node.children[tokens[pos]] = Node(node, tokens[pos:], len(tokens))
                 node, pos = child, len(tokens)
                 break
-            m = _matching(child.edge, tokens, pos)
+            m = matching(child.edge, tokens, pos)
             if m < len(child.edge):  # split the edge after m tokens
-                upper = _Node(node, child.edge[:m], node.depth + m)
+                upper = Node(node, child.edge[:m], node.depth + m)
                 child.edge, child.parent = child.edge[m:], upper
                 upper.children[child.edge[0]] = child
                 node.children[upper.edge[0]] = upper
@@ -682,11 +682,11 @@ class DiskTier:
             node.parent.children[node.edge[0]] = child
 
     def _descend(self, key: array):
-        """cache.descend from the index's root."""
+        """radix.descend from the index's root."""
         return descend(self._root, key)
 
     @staticmethod
-    def _nearest_trimmable(node: _Node) -> Optional[_Node]:
+    def _nearest_trimmable(node: Node) -> Optional[Node]:
         """The shallowest trimmable entry in `node`'s subtree."""
         best, stack = None, [node]
         while stack:
@@ -715,7 +715,7 @@ class DiskTier:
         """
         if not self.enabled or not key:
             return None
-        tokens = array(_TOKENS, key)
+        tokens = array(TOKENS, key)
         with self._lock:
             node, common, on_path, partial = self._descend(tokens)
             usable = [n for n in on_path if n.depth < len(tokens)]
@@ -745,7 +745,7 @@ class DiskTier:
             while node is not None:
                 edges.append(node.edge)
                 node = node.parent
-        tokens = array(_TOKENS)
+        tokens = array(TOKENS)
         for edge in reversed(edges):
             tokens.extend(edge)
         return tokens
@@ -829,7 +829,7 @@ class DiskTier:
             raise ValueError("checksum mismatch")
         if arrays["tokens"].dtype != mx.int64 or arrays["tokens"].ndim != 1:
             raise ValueError("bad key tensor")
-        tokens = array(_TOKENS)
+        tokens = array(TOKENS)
         tokens.frombytes(memoryview(arrays["tokens"]).cast("B"))
         # The key the index found it under (None: it left the index since).
         key = self._key_tokens(handle)
@@ -847,7 +847,7 @@ class DiskTier:
         error."""
         if not self.enabled or not key or self._writer is None:
             return
-        tokens = array(_TOKENS, key)
+        tokens = array(TOKENS, key)
         name = _key_name(tokens)
         try:
             estimate = cache_nbytes(cache)

@@ -1,8 +1,10 @@
 """PromptStore: a radix tree of prompt caches, with a byte budget.
 
-One data structure in one file (after SGLang's radix_cache.py). Entries are
-keyed per model by a cache key (token ids; image requests put image ids in
-place of image tokens). `fetch` finds the best usable entry for a key:
+One data structure (after SGLang's radix_cache.py): its token trie is
+radix.py's (shared with the disk tier), and what a stored layer cache is and
+how it is cut, shared and quantized is layers.py's. Entries are keyed per
+model by a cache key (token ids; image requests put image ids in place of
+image tokens). `fetch` finds the best usable entry for a key:
 
   exact      an entry with the whole key (trimmed by one token, since at least
              one token must be computed; non-trimmable: the next shorter one);
@@ -81,7 +83,6 @@ most recently used first. An evicted entry's arrays stay in memory until
 the tier's writer has written them (its queue is bounded: see DiskTier).
 """
 
-import copy
 import logging
 import sys
 import threading
@@ -95,18 +96,28 @@ from itertools import chain
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    CacheList,
-    ChunkedKVCache,
-    KVCache,
-    QuantizedKVCache,
-    can_trim_prompt_cache,
-    trim_prompt_cache,
-)
 
-# Edges hold token ids as int64: image ids are negative 63-bit fingerprints.
-_TOKENS = "q"
-_TOKEN_BYTES = array(_TOKENS).itemsize
+from mlx_lm_plus.cache.layers import (
+    SharedKV,
+    Span,
+    StoredKV,
+    cache_nbytes,
+    compact,
+    cut_tokens,
+    extra_attributes,
+    first_tokens,
+    is_plain_kv,
+    join_tokens,
+    make_span,
+    own_buffers,
+    quantizable,
+    quantize_for_store,
+    restore_from_store,
+    split_span,
+    tensors_of,
+    trims_to_any_prefix,
+)
+from mlx_lm_plus.cache.radix import TOKEN_BYTES, TOKENS, Node, descend, matching
 
 
 @dataclass(eq=False, slots=True)
@@ -143,19 +154,18 @@ class Entry:
             return tuple(chain.from_iterable(reversed(edges)))
 
 
-class _Node:
-    __slots__ = ("parent", "edge", "depth", "children", "entry", "below", "kv")
+class _Node(Node):
+    """A node of the memory tier's tree: also its edge's KV and the number
+    of entries below it."""
+
+    __slots__ = ("below", "kv")
+    entry: Optional[Entry]
 
     def __init__(self, parent: Optional["_Node"], edge: array, depth: int):
-        self.parent = parent
-        self.edge = edge  # the tokens from the parent to here (root: none)
+        super().__init__(parent, edge, depth)
         # The attention KV of the edge's tokens, as Spans in order (their
         # tokens add up to len(edge)); the root has none.
-        self.kv: List["Span"] = []
-        self.depth = depth  # tokens from the root to the end of the edge
-        # Keyed by the first token of the child's edge.
-        self.children: Dict[int, "_Node"] = {}
-        self.entry: Optional[Entry] = None
+        self.kv: List[Span] = []
         # Entries stored strictly below this node: an entry is a leaf (a
         # distinct sequence) when its node has none.
         self.below = 0
@@ -174,7 +184,7 @@ def _path_spans(node: _Node) -> List[Tuple["Span", int]]:
 def _measure() -> Tuple[int, int]:
     """Fixed bytes per node and per entry, beside the edges' token buffers:
     the objects the store creates for them, measured once."""
-    node = _Node(None, array(_TOKENS), 0)
+    node = _Node(None, array(TOKENS), 0)
     token = 1 << 40  # a child's key in its parent's children
     node_bytes = (sys.getsizeof(node) + sys.getsizeof(node.edge)  # its header
                   + sys.getsizeof({token: node})  # a children dict (to 5)
@@ -193,301 +203,11 @@ def _measure() -> Tuple[int, int]:
 NODE_BYTES, ENTRY_BYTES = _measure()
 
 
-def _matching(edge: array, key: array, pos: int) -> int:
-    """How many leading tokens of `edge` equal key[pos:]."""
-    n = min(len(edge), len(key) - pos)
-    if (edge if n == len(edge) else edge[:n]) == key[pos:pos + n]:
-        return n
-    lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
-    while hi - lo > 1:
-        m = (lo + hi) // 2
-        if edge[lo:m] == key[pos + lo:pos + m]:
-            lo = m
-        else:
-            hi = m
-    return lo
-
-
-def descend(node, key: array):
-    """Follow `key` down from `node` (a radix tree of nodes with `children`
-    keyed by first token, `edge` and `entry`; also the disk tier's index):
-    (the deepest node whose whole edge it matches, the tokens matched, the
-    nodes with entries on the way, the child whose edge it leaves part way
-    or None)."""
-    pos, on_path = 0, []
-    while pos < len(key):
-        child = node.children.get(key[pos])
-        if child is None:
-            break
-        m = _matching(child.edge, key, pos)
-        pos += m
-        if m < len(child.edge):
-            return node, pos, on_path, child
-        node = child
-        if node.entry is not None:
-            on_path.append(node)
-    return node, pos, on_path, None
-
-
 @dataclass
 class Fetched:
     cache: Optional[List[Any]]  # a private copy, or None (miss)
     cached: int  # tokens of the key it covers
     kind: str  # "exact", "prefix", "checkpoint", "trimmed", "disk", "miss"
-
-
-def is_plain_kv(c) -> bool:
-    """A KVCache that holds exactly its tokens' keys and values (any prefix of
-    it is valid): KVCache and subclasses that only add bookkeeping, such as
-    vision.MRopeKVCache; not ChunkedKVCache, which drops old chunks."""
-    return isinstance(c, KVCache) and not isinstance(c, ChunkedKVCache)
-
-
-def trims_to_any_prefix(cache: List[Any]) -> bool:
-    """Whether every layer can be trimmed to any shorter prefix. Upstream's
-    ChunkedKVCache (llama4) says it can be trimmed, but once a prompt passed
-    its chunk size it trims only down to its start_position: the tokens
-    before were dropped."""
-    return can_trim_prompt_cache(cache) and not any(
-        isinstance(c, ChunkedKVCache) and c.start_position > 0 for c in cache)
-
-
-def compact(cache: List[Any]) -> List[Any]:
-    """Cut preallocated KV buffers down to the tokens they hold."""
-    for c in cache:
-        if is_plain_kv(c) and c.keys is not None and c.keys.shape[2] > c.offset:
-            c.keys = mx.contiguous(c.keys[..., : c.offset, :])
-            c.values = mx.contiguous(c.values[..., : c.offset, :])
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def _copied(value):
-    """`value` with each array in it copied into a buffer of its own
-    (mx.array copies; copy.deepcopy and mx.contiguous may share the buffer)."""
-    if isinstance(value, mx.array):
-        return mx.array(value)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (mx.array, list, tuple))
-                                                for v in value):
-        return type(value)(_copied(v) for v in value)
-    return value
-
-
-def own_buffers(layer, copied_from: list):
-    """`layer` holding arrays of its own, plain KV cut to its tokens. A row
-    extracted from a batch is a view of the batch's arrays (upstream's
-    ArraysCache.extract slices them; BatchKVCache's and
-    BatchRotatingKVCache's mx.contiguous keeps a row that is contiguous in
-    place): stored as is, it would keep the whole batch's buffer alive,
-    B times the bytes the budget counts. The arrays it copies from go to
-    `copied_from`, for the caller to hold until the copies are evaluated: a
-    copy whose source nothing else holds any more (the batch moved on)
-    takes over the source's buffer instead of copying, every row of it."""
-    if isinstance(layer, CacheList):
-        for c in layer.caches:
-            own_buffers(c, copied_from)
-        return layer
-    if is_plain_kv(layer) and layer.keys is not None:
-        n = layer.offset
-        copied_from += [layer.keys, layer.values]
-        layer.keys = mx.array(layer.keys[..., :n, :])
-        layer.values = mx.array(layer.values[..., :n, :])
-        return layer
-    for name, value in vars(layer).items():
-        copied_from.append(value)
-        setattr(layer, name, _copied(value))
-    return layer
-
-
-def _extra(layer) -> Dict[str, Any]:
-    """A plain KV layer's attributes beside keys, values and offset (such as
-    vision.MRopeKVCache's rope_delta)."""
-    return {k: v for k, v in vars(layer).items() if k not in ("keys", "values", "offset")}
-
-
-class StoredKV(QuantizedKVCache):
-    """A plain KV layer as a quantized store holds it: QuantizedKVCache's
-    (packed, scales, biases) keys and values (so its `nbytes`, `trim` and
-    `is_trimmable` hold as they are), plus what turns it back into the layer
-    it was: the class, the attributes beside keys/values/offset (such as
-    vision.MRopeKVCache's rope_delta) and the dtype. Never handed out."""
-
-    def __init__(self, layer: KVCache, bits: int, group_size: int):
-        super().__init__(group_size=group_size, bits=bits)
-        self.layer_class = type(layer)
-        self.extra = _extra(layer)
-        self.dtype = layer.keys.dtype
-        self.offset = n = layer.offset
-        self.keys = mx.quantize(layer.keys[..., :n, :], group_size, bits)
-        self.values = mx.quantize(layer.values[..., :n, :], group_size, bits)
-
-    def restore(self, trim: int = 0) -> KVCache:
-        """A new layer of the original class, `trim` tokens shorter: only
-        the tokens kept are dequantized (into new arrays; nothing shared)."""
-        n = self.offset - min(trim, self.offset)
-        keys, values = (tuple(x[..., :n, :] for x in q) for q in (self.keys, self.values))
-        return self.shell().restore(keys, values, n)
-
-    def shell(self) -> "SharedKV":
-        """This layer as an entry holds it when the tree's edges hold its KV."""
-        return SharedKV(self.layer_class, self.extra, self.dtype, self.bits, self.group_size)
-
-
-    @classmethod
-    def holding(cls, like: "SharedKV", keys, values, n: int) -> "StoredKV":
-        """A StoredKV of already quantized keys and values (for the disk
-        tier: what an entry whose KV the tree's edges hold looks like whole)."""
-        stored = cls.__new__(cls)
-        QuantizedKVCache.__init__(stored, group_size=like.group_size, bits=like.bits)
-        stored.layer_class, stored.extra, stored.dtype = like.layer_class, like.extra, like.dtype
-        stored.keys, stored.values, stored.offset = keys, values, n
-        return stored
-
-
-@dataclass(eq=False, slots=True)
-class Span:
-    """The attention KV of a run of tokens on one edge of the tree: per
-    shared layer, (keys, values), each an array (B, heads, tokens, dim) or,
-    under quantized storage, mx.quantize's (packed, scales, biases) tuple.
-    Its arrays are its own (never views of a larger buffer), so dropping a
-    span frees what `nbytes` counts."""
-    ntokens: int
-    layers: List[Tuple[Any, Any]]
-    nbytes: int  # its arrays
-    overhead: int  # its Python objects (counted as index bytes)
-
-
-_SPAN_OBJECT = sys.getsizeof(Span(0, [], 0, 0))
-
-
-def _tensors(x) -> Tuple[mx.array, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def _cut(x, start: int, stop: int, own: bool = False):
-    """Tokens [start, stop) of keys or values, in a buffer of their own
-    (mx.array copies; mx.contiguous may keep a row-contiguous slice in its
-    source's buffer, which would keep uncounted bytes alive). `own`: x is
-    in a buffer of its own (read from disk), so all of it is taken as is."""
-    if isinstance(x, tuple):
-        return tuple(_cut(p, start, stop, own) for p in x)
-    if own and start == 0 and stop == x.shape[2]:
-        return x
-    return mx.array(x[..., start:stop, :])
-
-
-def _head(x, n: int):
-    """The first n tokens of keys or values (a view: to be read, not kept)."""
-    if isinstance(x, tuple):
-        return tuple(p[..., :n, :] for p in x)
-    return x[..., :n, :]
-
-
-def _join(parts: List[Any]):
-    """Keys or values of consecutive spans as one (a new array, or tuple of
-    arrays, never one of the spans' own objects: callers write into it)."""
-    if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate([p[i] for p in parts], axis=2)
-                     for i in range(len(parts[0])))
-    return mx.concatenate(parts, axis=2)
-
-
-def make_span(layers: List[Tuple[Any, Any]], ntokens: int) -> Span:
-    nbytes = overhead = 0
-    for pair in layers:
-        overhead += sys.getsizeof(pair)
-        for x in pair:
-            overhead += sys.getsizeof(x) if isinstance(x, tuple) else 0
-            for t in _tensors(x):
-                nbytes += t.nbytes
-                overhead += sys.getsizeof(t)
-    overhead += sys.getsizeof(layers) + _SPAN_OBJECT
-    return Span(ntokens, layers, nbytes, overhead)
-
-
-def split_span(span: Span, m: int) -> Tuple[Span, Span]:
-    """The span's first m tokens and the rest, each in buffers of its own."""
-    first = [(_cut(k, 0, m), _cut(v, 0, m)) for k, v in span.layers]
-    rest = [(_cut(k, m, span.ntokens), _cut(v, m, span.ntokens)) for k, v in span.layers]
-    return make_span(first, m), make_span(rest, span.ntokens - m)
-
-
-@dataclass(eq=False)
-class SharedKV:
-    """In an entry, a plain KV layer whose keys and values the tree's edges
-    hold (shared by every entry whose key passes there): what turns them back
-    into the layer it was. `bits`: quantized storage of this layer (None:
-    as it was)."""
-    layer_class: type
-    extra: Dict[str, Any]
-    dtype: Any
-    bits: Optional[int] = None
-    group_size: int = 64
-    nbytes = 0  # its tokens' KV is counted in the spans
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def restore(self, keys, values, n: int):
-        """A new layer of the original class holding n tokens: `keys` and
-        `values` are the spans' parts joined (dequantized here)."""
-        if self.bits is not None:
-            keys, values = (mx.dequantize(*x, self.group_size, self.bits, dtype=self.dtype)
-                            for x in (keys, values))
-        layer = self.layer_class.__new__(self.layer_class)
-        layer.__dict__.update(copy.deepcopy(self.extra))
-        layer.keys, layer.values, layer.offset = keys, values, n
-        return layer
-
-    def stored(self, keys, values, n: int):
-        """The layer as an unshared store held it (StoredKV when quantized):
-        what the disk tier writes."""
-        if self.bits is not None:
-            return StoredKV.holding(self, keys, values, n)
-        return self.restore(keys, values, n)
-
-
-def _quantizable(c, group_size: int) -> bool:
-    return (is_plain_kv(c) and c.keys is not None and c.offset > 0
-            and c.keys.shape[-1] % group_size == 0
-            and c.values.shape[-1] % group_size == 0)
-
-
-def quantize_for_store(cache: List[Any], bits: Optional[int], group_size: int) -> List[Any]:
-    """The cache as the store holds it: with `bits`, each plain KV layer a
-    StoredKV (head dims that `group_size` does not divide stay as they are);
-    recurrent, rotating and chunked layers as they are. Evaluated."""
-    if bits is None:
-        return cache
-    cache = [StoredKV(c, bits, group_size) if _quantizable(c, group_size) else c
-             for c in cache]
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def restore_from_store(stored: List[Any], trim: int = 0) -> List[Any]:
-    """A private copy of a stored cache, of ordinary layers (StoredKV layers
-    dequantized, the others deep copied), `trim` tokens shorter when every
-    layer can be trimmed (as trim_prompt_cache)."""
-    if not any(isinstance(c, StoredKV) for c in stored):
-        cache = copy.deepcopy(stored)
-        if trim:
-            trim_prompt_cache(cache, trim)
-            for c in cache:  # as the memory tier's fetch gives it (views: no copy)
-                if is_plain_kv(c) and c.keys is not None and c.keys.shape[2] > c.offset:
-                    c.keys, c.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
-        return cache
-    trim = trim if trims_to_any_prefix(stored) else 0
-    cache = []
-    for c in stored:
-        if isinstance(c, StoredKV):
-            cache.append(c.restore(trim))
-        else:
-            c = copy.deepcopy(c)
-            if trim:
-                c.trim(trim)
-            cache.append(c)
-    return cache
 
 
 # Why entries leave memory that sends them to the disk tier: the limits and
@@ -518,9 +238,6 @@ def default_budget() -> int:
 def _per_token(nbytes: int, tokens: int) -> Optional[float]:
     return round(nbytes / tokens, 1) if tokens else None
 
-
-def cache_nbytes(cache: List[Any]) -> int:
-    return sum(c.nbytes for c in cache)
 
 
 # A past turn's prompt entry is dropped once its conversation went on only
@@ -800,7 +517,7 @@ class PromptStore:
         tokens it covers and how (no cache made, nothing touched)."""
         if not key:
             return Fetched(None, 0, "miss")
-        tokens = array(_TOKENS, key)
+        tokens = array(TOKENS, key)
         node, common, on_path, partial = self._descend(model, tokens)
         if node is None:
             return Fetched(None, 0, "miss")
@@ -864,8 +581,9 @@ class PromptStore:
         out, j = [], 0
         for layer in entry.cache:
             if isinstance(layer, SharedKV):
-                k, v = (_join([s.layers[j][i] if take == s.ntokens
-                               else _head(s.layers[j][i], take) for s, take in spans])
+                k, v = (join_tokens([s.layers[j][i] if take == s.ntokens
+                                     else first_tokens(s.layers[j][i], take)
+                                     for s, take in spans])
                         for i in (0, 1))
                 j += 1
                 out.append(layer.stored(k, v, n) if whole else layer.restore(k, v, n))
@@ -910,7 +628,7 @@ class PromptStore:
         with self._lock:
             if not key:
                 return 0, False
-            _, depth, _, left = self._descend(model, array(_TOKENS, key))
+            _, depth, _, left = self._descend(model, array(TOKENS, key))
             abandoned = (left is not None and not left.children and left.entry is not None
                          and left.entry.kind == "generated"
                          and 0 < left.entry.reply_start <= depth)
@@ -922,7 +640,7 @@ class PromptStore:
         prompt leaves what is stored, for explaining a miss. No tokens: key
         only extends what is stored (or ends inside it)."""
         with self._lock:
-            node, depth, _, left = self._descend(model, array(_TOKENS, key))
+            node, depth, _, left = self._descend(model, array(TOKENS, key))
             if node is None or depth >= len(key):
                 return depth, []
             if left is not None:
@@ -970,7 +688,7 @@ class PromptStore:
             with self._lock:
                 self.stats["not_stored"] += 1
             return
-        tokens = array(_TOKENS, key)
+        tokens = array(TOKENS, key)
         images = len({t for t in tokens if t < 0}) if min(tokens) < 0 else 0
         copied_from = []  # (held until the copies are evaluated: see own_buffers)
         layers, sources, layout = self._take(cache, len(tokens), copied_from, own=from_disk)
@@ -1056,8 +774,8 @@ class PromptStore:
             elif is_plain_kv(c):
                 if c.keys is None or c.offset != n:
                     return None, None, None
-                bits = self.bits if _quantizable(c, self.group_size) else None
-                shell = SharedKV(type(c), _extra(c), c.keys.dtype, bits, self.group_size)
+                bits = self.bits if quantizable(c, self.group_size) else None
+                shell = SharedKV(type(c), extra_attributes(c), c.keys.dtype, bits, self.group_size)
                 source = (c.keys, c.values, bits)
             else:
                 layers.append(c if own else own_buffers(c, copied_from))
@@ -1069,9 +787,9 @@ class PromptStore:
 
     def _span_part(self, x, start: int, stop: int, bits: Optional[int], own: bool):
         """Tokens [start, stop) of a source's keys or values, as a span holds
-        them (quantized with `bits` when given; `own`: see _cut)."""
+        them (quantized with `bits` when given; `own`: see cut_tokens)."""
         if bits is None:
-            return _cut(x, start, stop, own)
+            return cut_tokens(x, start, stop, own)
         return tuple(mx.quantize(x[..., start:stop, :], self.group_size, bits))
 
     def _add_span(self, node: _Node, layers: List[Tuple[Any, Any]], ntokens: int):
@@ -1079,24 +797,24 @@ class PromptStore:
         node.kv.append(span)
         self.kv_bytes += span.nbytes
         self.index_bytes += span.overhead
-        self._fresh.extend(t for pair in layers for x in pair for t in _tensors(x))
+        self._fresh.extend(t for pair in layers for x in pair for t in tensors_of(x))
 
     def _node_for(self, model, key: array) -> _Node:
         """The node at the end of `key`, made (splitting an edge where the key
         leaves it part way, or adding a leaf) if the tree has none."""
         node = self._roots.get(model)
         if node is None:
-            node = self._roots[model] = _Node(None, array(_TOKENS), 0)
+            node = self._roots[model] = _Node(None, array(TOKENS), 0)
             self.index_bytes += NODE_BYTES
         pos = 0
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 leaf = node.children[key[pos]] = _Node(node, key[pos:], len(key))
-                self.index_bytes += NODE_BYTES + _TOKEN_BYTES * len(leaf.edge)
+                self.index_bytes += NODE_BYTES + TOKEN_BYTES * len(leaf.edge)
                 self.tree_tokens += len(leaf.edge)
                 return leaf
-            m = _matching(child.edge, key, pos)
+            m = matching(child.edge, key, pos)
             if m < len(child.edge):
                 child = self._split(child, m)
             node, pos = child, pos + m
@@ -1131,7 +849,7 @@ class PromptStore:
         self.kv_bytes += first.nbytes + rest.nbytes - span.nbytes
         self.index_bytes += first.overhead + rest.overhead - span.overhead
         self._fresh.extend(t for s in (first, rest) for pair in s.layers
-                           for x in pair for t in _tensors(x))
+                           for x in pair for t in tensors_of(x))
         return spans[:i] + [first], [rest] + spans[i + 1:]
 
     def _merge(self, node: _Node):
@@ -1331,7 +1049,7 @@ class PromptStore:
                 spans = sum(s.nbytes for s in node.kv)
                 self.kv_bytes -= spans
                 freed += spans
-                self.index_bytes -= (NODE_BYTES + _TOKEN_BYTES * len(node.edge)
+                self.index_bytes -= (NODE_BYTES + TOKEN_BYTES * len(node.edge)
                                      + sum(s.overhead for s in node.kv))
                 self.tree_tokens -= len(node.edge)
                 node.parent, node.kv, node = None, [], node.parent
@@ -1518,12 +1236,133 @@ class PromptStore:
             return {
                 "nodes": nodes,
                 "edge_tokens": tokens,
-                "index_bytes": (nodes * NODE_BYTES + tokens * _TOKEN_BYTES + overhead
+                "index_bytes": (nodes * NODE_BYTES + tokens * TOKEN_BYTES + overhead
                                 + len(self._entries) * ENTRY_BYTES),
                 "kv_bytes": spans + sum(e.nbytes for e in self._entries),
                 "spans_cover_edges": whole,
                 "leaves": sum(e.node.below == 0 for e in self._entries),
             }
+
+    def check_invariants(self, limits: bool = False) -> None:
+        """Raise AssertionError naming each invariant the store's bookkeeping
+        breaks (for tests: a full walk under the lock). What holds between
+        any two calls of the store's methods:
+
+        - a root has no parent, no edge, depth 0, no KV, no entry, and at
+          least one child (an empty tree goes), and its model a layout;
+        - every other node is its parent's child under its edge's first
+          token, its edge a non-empty array of TOKENS, its depth its
+          parent's plus len(edge), and it has an entry or two children or
+          more (the tree is compressed);
+        - a node's spans cover exactly its edge's tokens, each with one
+          (keys, values) per shared layer of the model's layout, and its
+          `nbytes` its arrays' bytes;
+        - a node's `below` counts the entries strictly below it;
+        - every entry of `_entries` is its node's entry, reached from its
+          model's root, with `ntokens` its node's depth, `nbytes` its
+          cache's bytes, its SharedKV shells where the model's layout has
+          them and the store's lock; every entry in the tree is in
+          `_entries`, under that model;
+        - the counters kept without a walk match one: `kv_bytes`,
+          `index_bytes`, `tree_tokens` and the leaf count (recount()), and
+          `read_ahead_bytes` (the held read-aheads' bytes, each under its
+          (model, file name)).
+
+        limits=True: also `nbytes` within `max_bytes` and the leaves within
+        `max_sequences`, as every insert that stores an entry leaves them
+        (not after the limits were lowered, or a read ahead taken, since)."""
+        wrong: List[str] = []
+        with self._lock:
+            found: Dict[Entry, Any] = {}  # entry -> model, by the walk
+            for model, root in self._roots.items():
+                layout = self._layouts.get(model)
+                if layout is None:
+                    wrong.append(f"model {model!r}: a tree without a layout")
+                if (root.parent is not None or len(root.edge) or root.depth or root.kv
+                        or root.entry is not None or not root.children):
+                    wrong.append(f"model {model!r}: its root is not an empty node with children")
+                order, stack = [], [root]
+                while stack:
+                    n = stack.pop()
+                    order.append(n)
+                    stack.extend(n.children.values())
+                    if n.entry is not None:
+                        found[n.entry] = model
+                    if n is root:
+                        continue
+                    where = f"model {model!r}, node at depth {n.depth}"
+                    if not (isinstance(n.edge, array) and n.edge.typecode == TOKENS
+                            and len(n.edge)):
+                        wrong.append(f"{where}: its edge is not a non-empty token array")
+                        continue
+                    if n.parent is None or n.parent.children.get(n.edge[0]) is not n:
+                        wrong.append(f"{where}: not its parent's child under its first token")
+                    elif n.depth != n.parent.depth + len(n.edge):
+                        wrong.append(f"{where}: depth is not its parent's plus its edge")
+                    if n.entry is None and len(n.children) < 2:
+                        wrong.append(f"{where}: no entry and {len(n.children)} children")
+                    if sum(s.ntokens for s in n.kv) != len(n.edge):
+                        wrong.append(f"{where}: spans of {sum(s.ntokens for s in n.kv)} "
+                                     f"tokens on an edge of {len(n.edge)}")
+                    for s in n.kv:
+                        if layout is not None and len(s.layers) != len(layout):
+                            wrong.append(f"{where}: a span of {len(s.layers)} layers, "
+                                         f"the layout has {len(layout)}")
+                        held = sum(t.nbytes for pair in s.layers for x in pair
+                                   for t in tensors_of(x))
+                        if s.nbytes != held:
+                            wrong.append(f"{where}: a span counts {s.nbytes} bytes, holds {held}")
+                below: Dict[_Node, int] = {}
+                for n in reversed(order):  # children before their parents
+                    below[n] = sum(below[c] + (c.entry is not None)
+                                   for c in n.children.values())
+                    if n.below != below[n]:
+                        wrong.append(f"model {model!r}, node at depth {n.depth}: below is "
+                                     f"{n.below}, {below[n]} entries are")
+            for entry, model in self._entries.items():
+                node = entry.node
+                where = f"entry of {entry.ntokens} tokens ({entry.kind})"
+                if node is None or node.entry is not entry:
+                    wrong.append(f"{where}: not its node's entry")
+                    continue
+                if entry not in found or found[entry] != model:
+                    wrong.append(f"{where}: not reached from its model's root")
+                if entry.ntokens != node.depth:
+                    wrong.append(f"{where}: at a node of depth {node.depth}")
+                if entry.nbytes != cache_nbytes(entry.cache):
+                    wrong.append(f"{where}: counts {entry.nbytes} bytes, its cache "
+                                 f"{cache_nbytes(entry.cache)}")
+                shells = tuple((i, c.bits) for i, c in enumerate(entry.cache)
+                               if isinstance(c, SharedKV))
+                if shells != self._layouts.get(model):
+                    wrong.append(f"{where}: shared layers {shells}, the model's layout "
+                                 f"{self._layouts.get(model)}")
+                if entry.lock is not self._lock:
+                    wrong.append(f"{where}: not holding the store's lock")
+            for entry in found.keys() - self._entries.keys():
+                wrong.append(f"entry of {entry.ntokens} tokens ({entry.kind}): in the tree, "
+                             "not in _entries")
+            counted = self.recount()
+            for name, kept, walked in (
+                    ("kv_bytes", self.kv_bytes, counted["kv_bytes"]),
+                    ("index_bytes", self.index_bytes, counted["index_bytes"]),
+                    ("tree_tokens", self.tree_tokens, counted["edge_tokens"]),
+                    ("leaf count", self._leaves, counted["leaves"]),
+                    ("read_ahead_bytes", self.read_ahead_bytes,
+                     sum(r.nbytes for r in self._read_ahead.values()))):
+                if kept != walked:
+                    wrong.append(f"{name} is {kept}, counted {walked}")
+            for name, ahead in self._read_ahead.items():
+                if name != (ahead.model, ahead.handle.name):
+                    wrong.append(f"a read ahead held as {name!r}")
+            if limits and self.max_bytes is not None and self.nbytes > max(self.max_bytes, 0):
+                wrong.append(f"{self.nbytes} bytes over the budget of {self.max_bytes}")
+            if (limits and self.max_sequences is not None
+                    and self._leaves > max(self.max_sequences, 0)):
+                wrong.append(f"{self._leaves} sequences, at most {self.max_sequences}")
+        if wrong:
+            shown = wrong[:20] + ([f"... and {len(wrong) - 20} more"] if len(wrong) > 20 else [])
+            raise AssertionError("PromptStore invariants broken:\n  " + "\n  ".join(shown))
 
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:

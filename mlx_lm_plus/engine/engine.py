@@ -63,7 +63,8 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.server import TimeBudget
 
-from mlx_lm_plus.cache.store import PromptStore, cache_nbytes
+from mlx_lm_plus.cache.layers import cache_nbytes
+from mlx_lm_plus.cache.store import PromptStore
 from mlx_lm_plus.engine.admission import PARKED, Admission, Planned, Queued
 from mlx_lm_plus.engine.batch import _Batch
 from mlx_lm_plus.engine.channel import Channel
@@ -189,9 +190,9 @@ class Engine:
         # (idempotent; each checks it matches the installed mlx-lm).
         _apply_patches()
         args = self.cli_args
-        self.watchdog.step_timeout = getattr(args, "step_timeout", 0)
+        self.watchdog.step_timeout = args.step_timeout
         if self._is_distributed:
-            self.watchdog.distributed_timeout = getattr(args, "distributed_timeout", 0)
+            self.watchdog.distributed_timeout = args.distributed_timeout
         self._thread.start()
         self.watchdog.start()
 
@@ -208,7 +209,7 @@ class Engine:
         queued gets a 503 with the reason, and after --watchdog-grace seconds
         the process exits (status 70) for a supervisor to restart it (under
         mx.distributed: the whole group, every rank exits so)."""
-        grace = getattr(self.cli_args, "watchdog_grace", 5.0)
+        grace = self.cli_args.watchdog_grace
         with self._shutting_down:  # (the watchdog and the generation thread)
             if self.hung:
                 return

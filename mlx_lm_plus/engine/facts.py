@@ -4,7 +4,7 @@ rank judges its own layers)."""
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_plus.cache.store import is_plain_kv
+from mlx_lm_plus.cache.layers import is_plain_kv
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
 from mlx_lm_plus.models.provider import own_vision
 from mlx_lm_plus.upstream import image_parts

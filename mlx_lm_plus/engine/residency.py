@@ -213,7 +213,7 @@ class ModelResidency:
         same identity)."""
         args = self.cli_args
         key = lm.key
-        if (not getattr(args, "prompt_cache_dir", None)
+        if (not args.prompt_cache_dir
                 or self.group.is_distributed or self.store.disk_for(key) is not None):
             return
         from mlx_lm_plus.cache.disk import DiskTier, model_identity
@@ -245,7 +245,7 @@ class ModelResidency:
     def save_to_disk(self):
         """At shutdown, on this thread (the entries' arrays are its own):
         memory entries to the disk tiers, within --shutdown-timeout."""
-        if getattr(self.cli_args, "prompt_cache_dir", None):
+        if self.cli_args.prompt_cache_dir:
             self.store.save_to_disk(self.cli_args.shutdown_timeout)
 
     def describe(self, active: Callable[[Any], int]) -> List[Dict[str, Any]]:

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_plus.cache.store import cache_nbytes, is_plain_kv
+from mlx_lm_plus.cache.layers import cache_nbytes, is_plain_kv
 from mlx_lm_plus.engine.distributed import ends_the_group
 from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
 from mlx_lm_plus.engine.outputs import final_events, token_response, with_prompt

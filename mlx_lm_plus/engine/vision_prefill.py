@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_lm_plus.cache.store import trims_to_any_prefix
+from mlx_lm_plus.cache.layers import trims_to_any_prefix
 from mlx_lm_plus.models.provider import vision_of
 from mlx_lm_plus.models.vision import set_rope_delta
 

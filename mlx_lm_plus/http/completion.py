@@ -158,7 +158,7 @@ class Completions:
                 404,
             )
         try:
-            if getattr(self.cli_args, "allow_remote_images", False):
+            if self.cli_args.allow_remote_images:
                 # Only once the whole request validated.
                 await inline_remote_images(parsed.request, self.cli_args)
             await self._decode_images(parsed.request, parsed.args.model)
@@ -170,7 +170,7 @@ class Completions:
             return self.unavailable(request, str(e))
 
         track.messages = parsed.request.messages  # (a cache miss's message, at the end)
-        track.miss_text = getattr(self.cli_args, "cache_miss_text", False)
+        track.miss_text = self.cli_args.cache_miss_text
         exchange = track.exchange = protocol.exchange(parsed, f"{uuid.uuid4().hex}")
         track.record.id = exchange.id
 

@@ -60,7 +60,7 @@ class Intake:
     async def _read_body(self, request):
         if request.headers.get("Content-Length") is None:
             raise RequestError("Content-Length header is required", 411)
-        limit = getattr(self.cli_args, "max_request_bytes", None)
+        limit = self.cli_args.max_request_bytes
         if limit is not None and (request.content_length or 0) > limit:
             raise RequestError(
                 f"Request body is larger than {limit} bytes (--max-request-bytes)", 413)
@@ -85,7 +85,7 @@ class Intake:
         """The body's `length` bytes as they come, counted in
         receiving_bytes (503 past the bound; the caller releases them once
         parsed); 408 when too slow (BODY_IDLE_SECONDS, BODY_MIN_RATE)."""
-        limit = getattr(self.cli_args, "max_request_bytes", None) or 0
+        limit = self.cli_args.max_request_bytes or 0
         bound = max(RECEIVING_BYTES, 2 * limit)
         loop = asyncio.get_running_loop()
         start, raw = loop.time(), bytearray()

@@ -85,7 +85,7 @@ _EMBEDDING_IPV4 = [ipaddress.ip_network(n) for n in (
 
 
 def address_allowed(address: str, cli) -> bool:
-    if getattr(cli, "allow_private_image_hosts", False):
+    if cli.allow_private_image_hosts:
         return True
     return is_public(address)
 
@@ -167,7 +167,7 @@ class _Budget:
 async def _fetch(session: aiohttp.ClientSession, url_text: str, cli,
                  budget: _Budget) -> Tuple[str, bytes]:
     """(mime, bytes) of one image, following at most MAX_REDIRECTS."""
-    limit = getattr(cli, "max_image_bytes", None)
+    limit = cli.max_image_bytes
     url = URL(url_text)
     for _ in range(MAX_REDIRECTS + 1):
         check_url(url, cli)
@@ -218,7 +218,7 @@ async def inline_remote_images(messages, cli, *,
     """Replace each http(s) image part of a validated chat request's messages
     by a data-URL part, or raise `fetch_error` for the first image that could
     not be used."""
-    if not isinstance(messages, list) or not getattr(cli, "allow_remote_images", False):
+    if not isinstance(messages, list) or not cli.allow_remote_images:
         return
     remote: List[Tuple[int, dict]] = [
         (i, part) for i, part in enumerate(_image_parts(messages)) if is_remote(_image_url(part))
@@ -229,7 +229,7 @@ async def inline_remote_images(messages, cli, *,
     checking = CheckingResolver(resolver or make_resolver(),
                                 lambda address: address_allowed(address, cli))
     connector = aiohttp.TCPConnector(resolver=checking, use_dns_cache=False)
-    budget = _Budget(getattr(cli, "max_request_bytes", None))
+    budget = _Budget(cli.max_request_bytes)
     tasks = {}
     try:
         async with aiohttp.ClientSession(

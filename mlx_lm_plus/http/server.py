@@ -75,7 +75,7 @@ class Server(Replies, Intake, Completions):
         self._counter = Lane("counting tokens")
         self._constraints = Lane("constraints")
         self._constraints_large = Lane("large constraints", LARGE_LANE_HELD)
-        self._planning_timeout = getattr(cli_args, "planning_timeout", 60.0)
+        self._planning_timeout = cli_args.planning_timeout
         # Wire protocols, by the paths they serve: chat and text completions
         # always (upstream's), the others as app.build registers them.
         self.protocols: List[WireProtocol] = [ChatCompletionsProtocol(system_fingerprint)]
@@ -91,7 +91,7 @@ class Server(Replies, Intake, Completions):
     @property
     def max_in_flight(self) -> int:
         """Requests the server holds at once: a full batch plus the queue."""
-        queued = getattr(self.cli_args, "max_queued_requests", None)
+        queued = self.cli_args.max_queued_requests
         if queued is None:
             return 1 << 62
         return self.cli_args.decode_concurrency + queued
@@ -99,7 +99,7 @@ class Server(Replies, Intake, Completions):
     # -- routing --
 
     def authorized(self, request: web.Request) -> bool:
-        key = getattr(self.cli_args, "api_key", None)
+        key = self.cli_args.api_key
         # /dashboard is a static page with no data in it; what it shows comes
         # from /v1/stats, which the key guards (the page asks for the key).
         if not key or request.path in ("/health", "/dashboard"):
@@ -168,7 +168,7 @@ class Server(Replies, Intake, Completions):
             response = self.error(request, "Invalid or missing API key", 401)
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
-        if request.path in ADMIN_PATHS and not getattr(self.cli_args, "api_key", None):
+        if request.path in ADMIN_PATHS and not self.cli_args.api_key:
             why = self.foreign_caller(request)
             if why is not None:
                 return self.error(
@@ -317,7 +317,7 @@ class Server(Replies, Intake, Completions):
 
 
 def make_app(server: Server) -> web.Application:
-    limit = getattr(server.cli_args, "max_request_bytes", None) or 1024**3
+    limit = server.cli_args.max_request_bytes or 1024**3
     app = web.Application(client_max_size=limit,
                           middlewares=[server.connections.middleware])
     # Every path, newlines included (`.` stops at one: /v1/models/%0A would

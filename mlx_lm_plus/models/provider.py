@@ -14,6 +14,7 @@ plus mlx-vlm for vision-language folders. What this module adds:
   * with no --model, the embedded SmolLM2 demo model.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -319,7 +320,7 @@ class LoadedModel(UpstreamModelProvider):
                 return_config=True, trust_remote_code=self.cli_args.trust_remote_code)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        keep = getattr(self.cli_args, "keep_quantized", False)
+        keep = self.cli_args.keep_quantized
         room = getattr(self, "room_for_weights", None)
         # (Not under mx.distributed: mlx-lm's sharded layers are not the
         # quantized layers dequantize_model knows.)
@@ -430,9 +431,7 @@ class ModelProvider:
         entry = self._names.get(name) if isinstance(name, str) else None
         if entry is None or not entry.defaults:
             return self.cli_args
-        from argparse import Namespace
-
-        return Namespace(**{**vars(self.cli_args), **entry.defaults})
+        return dataclasses.replace(self.cli_args, **entry.defaults)
 
     def get(self, key) -> Optional[LoadedModel]:
         return self.loaded.get(key)
@@ -447,7 +446,7 @@ class ModelProvider:
         pinned = any(e.pinned for e in entries) and not self.is_distributed
         ttl = next((e.ttl for e in entries if e.ttl is not None), None)
         held = sum(m.nbytes for m in self.loaded.values())
-        cache = getattr(self.cli_args, "prompt_cache_bytes", None)
+        cache = self.cli_args.prompt_cache_bytes
         if cache is None:
             from mlx_lm_plus.cache.store import default_budget
 
@@ -525,7 +524,7 @@ class ModelProvider:
         loaded: float32 on a CPU with a fast BLAS (cpu.weights_for_cpu)
         widens quantized and half-precision ones. (Once loaded, the size
         measured replaces the estimate: `add`.)"""
-        if not converts(getattr(self.cli_args, "keep_quantized", False)):
+        if not converts(self.cli_args.keep_quantized):
             return 1
         try:
             config = json.loads((Path(path) / "config.json").read_text())

@@ -18,8 +18,8 @@ MODEL_DEFAULTS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k",
 
 def resolve_default_model(cli_args) -> None:
     """Fill in --model with the demo model when nothing names a model."""
-    if (cli_args.model is None and not getattr(cli_args, "models_dir", None)
-            and not getattr(cli_args, "models_config", None)):
+    if (cli_args.model is None and not cli_args.models_dir
+            and not cli_args.models_config):
         from mlx_lm_plus.models.demo import demo_model_path
 
         cli_args.model = str(demo_model_path())
@@ -130,7 +130,7 @@ def served_set(cli_args) -> List[ServedModel]:
     and --draft-model, pinned), then --models-config's entries, then the
     model folders in --models-dir (named by their folder)."""
     served = []
-    for i, model in enumerate(getattr(cli_args, "models", None) or
+    for i, model in enumerate(cli_args.models or
                               ([cli_args.model] if cli_args.model else [])):
         aliases = set()
         if Path(model).exists():
@@ -141,9 +141,9 @@ def served_set(cli_args) -> List[ServedModel]:
             path=resolved_path(model), adapter=cli_args.adapter_path if first else None,
             draft=cli_args.draft_model if first else None,
             aliases=tuple(sorted(aliases | {model})), pinned=first))
-    if getattr(cli_args, "models_config", None):
+    if cli_args.models_config:
         served += read_models_config(cli_args.models_config)
-    if getattr(cli_args, "models_dir", None):
+    if cli_args.models_dir:
         for folder in sorted(Path(cli_args.models_dir).iterdir()):
             if (folder / "config.json").is_file():
                 served.append(ServedModel(name=folder.name, path=resolved_path(folder),

@@ -818,7 +818,7 @@ class ResponsesProtocol(WireProtocol):
 
     def parse(self, path, body, cli, vocab_size):
         count_only = path.endswith("/input_tokens")
-        ceiling = getattr(cli, "max_tokens_ceiling", None)
+        ceiling = cli.max_tokens_ceiling
         if (isinstance(body, dict) and ceiling is not None
                 and isinstance(body.get("max_output_tokens"), int)
                 and body["max_output_tokens"] > ceiling):

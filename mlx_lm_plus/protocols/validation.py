@@ -153,7 +153,7 @@ def count_items(value, keys, limit: int) -> int:
 def check_item_count(values, keys, cli, what: str) -> None:
     """At most ITEMS_PER_MESSAGE x --max-messages items in `values` (each
     counted by count_items), or a 400."""
-    most = getattr(cli, "max_messages", None)
+    most = cli.max_messages
     if most is None:
         return
     limit, n = ITEMS_PER_MESSAGE * most, 0
@@ -239,7 +239,7 @@ def _validate_extra(p: Dict[str, Any], vocab_size: Optional[int]) -> None:
 
 def _validate_limits(p: Dict[str, Any], body: Dict[str, Any], cli) -> None:
     """The server's configured limits (--max-tokens-ceiling, --max-messages)."""
-    ceiling = getattr(cli, "max_tokens_ceiling", None)
+    ceiling = cli.max_tokens_ceiling
     asked = body.get("max_completion_tokens", body.get("max_tokens"))
     if ceiling is not None and asked is None:
         # The server's default (--max-tokens) is held to the ceiling too.
@@ -248,7 +248,7 @@ def _validate_limits(p: Dict[str, Any], body: Dict[str, Any], cli) -> None:
         raise RequestError(
             f"max_tokens must be at most {ceiling} on this server (--max-tokens-ceiling)"
         )
-    most = getattr(cli, "max_messages", None)
+    most = cli.max_messages
     messages = body.get("messages")
     if most is not None and isinstance(messages, list) and len(messages) > most:
         raise RequestError(
@@ -274,19 +274,19 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
     urls = [_image_url(p) for p in _image_parts(messages)]
     if not urls:
         return
-    most = getattr(cli, "max_images", None)
+    most = cli.max_images
     if most is not None and len(urls) > most:
         raise RequestError(f"Too many images: {len(urls)} (at most {most}, --max-images)")
-    max_bytes = getattr(cli, "max_image_bytes", None)
-    max_pixels = getattr(cli, "max_image_pixels", None)
+    max_bytes = cli.max_image_bytes
+    max_pixels = cli.max_image_pixels
     # All the request's images together: what decoding them holds at once.
-    budget = getattr(cli, "max_request_image_pixels", None)
+    budget = cli.max_request_image_pixels
     total = 0
     for i, url in enumerate(urls):
         if not isinstance(url, str):
             raise RequestError(f"Image {i}: the url must be a string")
         if url.startswith(("http://", "https://")):
-            if getattr(cli, "allow_remote_images", False):
+            if cli.allow_remote_images:
                 continue
             raise RequestError(
                 f"Image {i}: remote image URLs are not fetched by this server; "
