@@ -482,7 +482,8 @@ def api_form(api: str, messages: List[dict], tools: List[dict], strip: bool = Fa
             logging.disable(disabled)
     elif api == "responses":
         try:
-            from mlx_lm_plus.protocols.responses import ResponseStore, to_chat_body
+            from mlx_lm_plus.protocols.response_store import ResponseStore
+            from mlx_lm_plus.protocols.responses_input import to_chat_body
 
             chat, _ = to_chat_body({"model": "m", "store": False,
                                     **to_responses(messages, tools)}, ResponseStore())

@@ -134,8 +134,8 @@ def test_budgets_of_the_effort_fields():
     """Each protocol's effort field reaches the budget (the fixture can't
     show budgets of 1,024 tokens and more)."""
     from mlx_lm_plus.protocols.anthropic import to_chat_body as anthropic_chat
-    from mlx_lm_plus.protocols.responses import ResponseStore
-    from mlx_lm_plus.protocols.responses import to_chat_body as responses_chat
+    from mlx_lm_plus.protocols.response_store import ResponseStore
+    from mlx_lm_plus.protocols.responses_input import to_chat_body as responses_chat
     from mlx_lm_plus.config import parse_args
     from mlx_lm_plus.protocols.validation import parse_request
 

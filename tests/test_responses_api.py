@@ -22,12 +22,9 @@ from pydantic import TypeAdapter
 
 from compat.launch import OURS, ServerProcess
 from mlx_lm_plus.protocols.assembler import CompletionAssembler
-from mlx_lm_plus.protocols.responses import (
-    ResponsesProtocol,
-    ResponseStore,
-    output_messages,
-    to_chat_body,
-)
+from mlx_lm_plus.protocols.response_store import ResponseStore
+from mlx_lm_plus.protocols.responses import ResponsesProtocol
+from mlx_lm_plus.protocols.responses_input import output_messages, to_chat_body
 from mlx_lm_plus.config import parse_args
 from mlx_lm_plus.protocols.validation import RequestError
 from mlx_lm_plus.protocols.base import Completion
@@ -278,7 +275,7 @@ def test_cut_off_arguments_are_read_back_within_one_budget():
     as they parse, within one budget for the whole request (found in
     review: 20 items of 256 KB each cost 0.9 s): past it, none."""
     from mlx_lm_plus.protocols.assembler import PARTIAL_JSON_CHARS
-    from mlx_lm_plus.protocols.responses import to_messages
+    from mlx_lm_plus.protocols.responses_input import to_messages
 
     long = '{"a": "' + "x" * (PARTIAL_JSON_CHARS // 2)
     items = [{"type": "function_call", "call_id": f"c{i}", "name": "f",
