@@ -15,7 +15,7 @@ medians over the rounds, and every figure as the ratio ours / theirs.
 Model kinds: `attention` (tiny qwen3 fixture), `hybrid` (tiny qwen3_5),
 `mid` (random qwen3, 8 layers, hidden 512: prefill dominates), `vision`
 (tiny qwen2_vl), `vision-hybrid` (tiny qwen3_5 with vision), `demo` (the
-embedded SmolLM2-135M), or any kind of tests/fixtures.py.
+embedded SmolLM2-135M), or any kind of testkit/fixtures.py.
 """
 
 import argparse

@@ -680,7 +680,7 @@ def print_table(out: Dict[str, Any]) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", default="qwen3_5", help="fixture kind to build (tests/fixtures.py)")
+    p.add_argument("--kind", default="qwen3_5", help="fixture kind to build (testkit/fixtures.py)")
     p.add_argument("--model", help="use this model folder instead of a fixture")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--tools", type=int, default=20, help="how many tools (at most 20)")

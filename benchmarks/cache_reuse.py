@@ -119,7 +119,7 @@ def measure(command, model, tokenizer, names, log_dir, max_tokens, skip_first):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", default="qwen3_5", help="fixture kind to build (tests/fixtures.py)")
+    p.add_argument("--kind", default="qwen3_5", help="fixture kind to build (testkit/fixtures.py)")
     p.add_argument("--model", help="use this model folder instead of a fixture")
     p.add_argument("--workload", action="append", help="one of the workloads (default: all)")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -129,7 +129,7 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     model = args.model
     if model is None:
-        from tests.fixtures import build_fixture
+        from testkit.fixtures import build_fixture
 
         model = str(build_fixture(args.kind, work / "fixtures"))
     from mlx_lm import load

@@ -26,7 +26,7 @@ KINDS = ("qwen3_5", "mamba2", "gemma3_text", "qwen3")
 
 
 def chain_figures(model_path: str, turns: int, max_tokens: int = 16) -> dict:
-    from tests.engine_harness import EngineRunner
+    from testkit.engine_harness import EngineRunner
 
     runner = EngineRunner(model_path)
     try:
@@ -69,7 +69,7 @@ def main(argv=None):
     if args.model:
         models = {args.model: args.model}
     else:
-        from tests.fixtures import build_fixture
+        from testkit.fixtures import build_fixture
 
         work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
         models = {k: str(build_fixture(k, work)) for k in (args.kind or KINDS)}

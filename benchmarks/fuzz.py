@@ -38,7 +38,7 @@ then shrunk (keys, list items, string halves, simpler numbers) while it still
 fails the same way. A server that is down, unhealthy or wedged is restarted
 and the run goes on. Prints the requests tried per endpoint, the failures
 with their minimal bodies, the health and canary checks and a verdict (exit
-status 1 on any failure). tests/test_fuzz.py runs a short, seeded form.
+status 1 on any failure). tests/system/test_fuzz.py runs a short, seeded form.
 
 The server gets --max-tokens-ceiling (64): a random fixture never stops by
 itself, so a valid huge max_tokens would otherwise generate for hours.
@@ -1566,8 +1566,8 @@ def run(fuzzer: Fuzzer, examples: int, *, seed: Optional[int] = None,
 
 
 def corpus_cases() -> List[Case]:
-    """tests/test_bad_input.py's hand-written corpus, tried first."""
-    from tests.test_bad_input import CASES
+    """testkit/bad_input.py's hand-written corpus, tried first."""
+    from testkit.bad_input import CASES
 
     out = []
     for path, body in CASES:
@@ -1588,7 +1588,7 @@ def main(argv=None) -> int:
         prog="python -m benchmarks.fuzz", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--examples", type=int, default=5000)
-    parser.add_argument("--kind", default="qwen3", help="fixture kind (tests/fixtures.py)")
+    parser.add_argument("--kind", default="qwen3", help="fixture kind (testkit/fixtures.py)")
     parser.add_argument("--model", help="a model folder instead of a fixture")
     parser.add_argument("--fixtures", help="where fixtures are built "
                         "(default: $MLX_LM_PLUS_FIXTURES or a temporary folder)")
@@ -1606,7 +1606,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shrink-seconds", type=float, default=90,
                         help="time to shrink each distinct failure (0: no shrinking)")
     parser.add_argument("--no-corpus", action="store_true",
-                        help="skip tests/test_bad_input.py's corpus before generating")
+                        help="skip testkit/bad_input.py's corpus before generating")
     parser.add_argument("--log", help="server log file (default: in a temporary folder)")
     parser.add_argument("--json", help="write the figures and failures here")
     args = parser.parse_args(argv)
@@ -1621,7 +1621,7 @@ def main(argv=None) -> int:
     if args.model:
         model = args.model
     else:
-        from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+        from testkit.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
 
         root = Path(args.fixtures or os.environ.get("MLX_LM_PLUS_FIXTURES") or work)
         root.mkdir(parents=True, exist_ok=True)
@@ -1642,7 +1642,7 @@ def main(argv=None) -> int:
         print(f"canary answers: {baseline}", flush=True)
         if not args.no_corpus:
             corpus = corpus_cases()
-            print(f"corpus: {len(corpus)} cases from tests/test_bad_input.py", flush=True)
+            print(f"corpus: {len(corpus)} cases from testkit/bad_input.py", flush=True)
             for case in corpus:
                 fuzzer.try_case(case)
         ctx = Context(model=model)

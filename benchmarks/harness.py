@@ -24,7 +24,7 @@ from mlx_lm_plus.planning.prompt import common_prefix
 def add_model_args(parser, default_kind: str) -> None:
     parser.add_argument("--model", help="a model folder (default: a tiny fixture model)")
     parser.add_argument("--model-kind", default=default_kind,
-                        help="fixture kind (tests/fixtures.py) when no --model")
+                        help="fixture kind (testkit/fixtures.py) when no --model")
 
 
 def ab_parser(description: str, default_kind: str, rounds: int):
@@ -43,7 +43,7 @@ def fixture_or_model(args, work, kind: Optional[str] = None) -> str:
     $MLX_LM_PLUS_FIXTURES (the tests' folder: built once) or under `work`."""
     if args.model:
         return args.model
-    from tests.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+    from testkit.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
 
     kind = kind or args.model_kind
     build = build_vision_fixture if kind in VISION_KINDS else build_fixture

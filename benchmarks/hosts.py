@@ -5,7 +5,7 @@
 
 The two ranks run tensor-parallel (or with --pipeline, pipelined: a model
 mlx-lm pipelines, as the qwen2 fixture) over the ring backend, each in its own
-network namespace (tests/netns.py; needs root on Linux). Figures (medians
+network namespace (testkit/netns.py; needs root on Linux). Figures (medians
 over --rounds, the two setups alternating which goes first): time to first
 token and generated tokens per second for 1 client, and for 8 clients at
 once (streamed, distinct prompts).
@@ -27,7 +27,7 @@ from mlx_lm.utils import load_tokenizer
 from benchmarks.__main__ import resolve_model
 from benchmarks.harness import Client, add_model_args, median, print_figures, session
 from compat.launch import OURS, ServerProcess
-from tests import netns
+from testkit import netns
 
 
 async def burst(url, tokenizer, clients: int, max_tokens: int, tag: str):

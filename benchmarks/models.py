@@ -26,7 +26,7 @@ from mlx_lm.utils import load_tokenizer
 
 from benchmarks.harness import Client, median, print_figures, session
 from compat.launch import OURS, UPSTREAM, ServerProcess
-from tests.fixtures import build_fixture
+from testkit.fixtures import build_fixture
 
 PROMPT = "Write a long story about a village by the sea, with boats and a storm."
 

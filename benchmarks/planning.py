@@ -20,7 +20,7 @@ from mlx_lm.utils import load_tokenizer
 from benchmarks.harness import add_model_args, fixture_or_model
 from mlx_lm_plus.planning import prompt
 from mlx_lm_plus.planning.prompt import build_prompt
-from tests.fixtures import WORDS
+from testkit.fixtures import WORDS
 
 
 def conversation(tokenizer, target: int, seed: int = 0):

@@ -188,7 +188,7 @@ def main(argv=None):
     if args.quick:
         args.prompts, args.max_tokens = min(args.prompts, 2), min(args.max_tokens, 4)
         if model_path is None:
-            from tests.fixtures import build_fixture
+            from testkit.fixtures import build_fixture
 
             model_path = str(build_fixture("qwen3_mid", Path(tempfile.mkdtemp(prefix="bench-"))))
     if model_path is None:

@@ -16,7 +16,7 @@ prefix) is sent alone, greedy, and its reply kept as the reference. Then
   with probability --disconnect-rate;
 * a non-streamed one, abandoned after a random fraction of a second with
   probability --disconnect-rate;
-* a bad input from the corpora in tests/test_bad_input.py, every protocol's
+* a bad input from the corpora in testkit/bad_input.py, every protocol's
   (chat completions, Messages, Responses), and bodies nesting arrays past
   the server's bound and at json's own limit, streamed or not (probability
   --bad-rate), which must be answered 4xx with the protocol's JSON error.
@@ -91,7 +91,7 @@ def bad_inputs() -> List[tuple]:
     host other than loopback (the soak sends traffic to 127.0.0.1 only),
     and the bodies nesting too deep on every protocol."""
     from benchmarks.fuzz import DEEP_PATHS, MAX_JSON_DEPTH, Raw
-    from tests.test_bad_input import CASES, MESSAGES_CASES, RESPONSES_CASES
+    from testkit.bad_input import CASES, MESSAGES_CASES, RESPONSES_CASES
 
     deep = [(DEEP_PATHS[protocol], Raw("deep_echo", n, protocol, stream).data())
             for protocol in DEEP_PATHS for stream in ("", "stream")
@@ -593,7 +593,7 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--model", help="a model folder (default: a tiny fixture model)")
     parser.add_argument("--kind", "--model-kind", dest="model_kind", default="qwen3",
-                        help="fixture kind (tests/fixtures.py), or attention / hybrid "
+                        help="fixture kind (testkit/fixtures.py), or attention / hybrid "
                              "(qwen3 / qwen3_5), when no --model")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--prompt-cache-bytes", type=int, default=1 << 20,

@@ -85,7 +85,7 @@ async def measure(url: str, protocol: str, text: str) -> Dict[str, Any]:
 def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder (default: the demo model)")
-    parser.add_argument("--model-kind", help="a tiny fixture instead (tests/fixtures.py)")
+    parser.add_argument("--model-kind", help="a tiny fixture instead (testkit/fixtures.py)")
     parser.add_argument("--words", type=int, default=1500)
     parser.add_argument("--protocols", default="chat,messages,responses")
     parser.add_argument("--json", help="write the figures to this file")

@@ -274,7 +274,7 @@ def print_table(rows, mask, proc, args):
 def main(argv=None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.structured", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", default="qwen3", help="fixture kind to build (tests/fixtures.py)")
+    p.add_argument("--kind", default="qwen3", help="fixture kind to build (testkit/fixtures.py)")
     p.add_argument("--model", help="use this model folder instead of a fixture")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128,

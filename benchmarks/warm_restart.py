@@ -305,7 +305,7 @@ def main(argv=None):
     if args.quick:
         args.tokens = min(args.tokens, 1000)
         if model is None:
-            from tests.fixtures import build_fixture
+            from testkit.fixtures import build_fixture
 
             model = str(build_fixture("qwen3", work / "fixtures"))
     if model is None:

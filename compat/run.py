@@ -133,7 +133,7 @@ def run_side_by_side(model: str, log_dir: Path, extra_args=()) -> Dict[str, Any]
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder served by both servers")
-    p.add_argument("--kind", help="build this fixture kind (tests/fixtures.py) and use it")
+    p.add_argument("--kind", help="build this fixture kind (testkit/fixtures.py) and use it")
     p.add_argument("--base-url", help="record a running server instead")
     p.add_argument("--out", help="write the records as JSON here")
     args = p.parse_args(argv)
@@ -149,7 +149,7 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="compat-"))
     model = args.model
     if args.kind:
-        from tests.fixtures import build_fixture
+        from testkit.fixtures import build_fixture
 
         model = str(build_fixture(args.kind, work / "fixtures"))
     if not model:

@@ -62,6 +62,9 @@ image_url = _private("mlx_lm.server", "_image_url")
 download = _private("mlx_lm.utils", "_download")
 get_classes = _private("mlx_lm.utils", "_get_classes")
 parse_size = _private("mlx_lm.utils", "_parse_size")
+decode_image = _private("mlx_lm.server", "_decode_image")
+make_vision = _private("mlx_lm.server", "_make_vision")
+BaseCache = _private("mlx_lm.models.cache", "_BaseCache")
 _check_generator_state()
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import (
+from testkit.fixtures import (
     VISION_KINDS, VLM_KINDS, build_fixture, build_vision_fixture, build_vlm_fixture,
 )
 
@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # batched with single-row results and cached with cold ones, which a
 # blocked BLAS (OpenBLAS) rounds differently in their last bits, and a
 # random fixture's greedy tokens (or a 4-bit KV cache) turn that into other
-# tokens (test_kv_bits' batched == sequential failed so). tests/test_cpu.py
+# tokens (test_kv_bits' batched == sequential failed so). tests/models/test_cpu.py
 # runs the fast path on purpose.
 os.environ.setdefault("MLX_LM_PLUS_BLAS", "bundled")
 

@@ -59,7 +59,7 @@ def test_every_upstream_flag_same_name_type_default():
     assert extra == set(OUR_FLAGS)
 
 
-def test_the_config_has_a_typed_field_for_every_flag_with_its_default():
+def test_the_config_has_a_typed_field_for_every_flag_with_its_default(monkeypatch):
     """config.Config: one field per flag (and `models`, every --model), with
     the parser's default, so a Config built in code is the server's with no
     flags; and the field's type is the flag's."""
@@ -68,16 +68,24 @@ def test_the_config_has_a_typed_field_for_every_flag_with_its_default():
 
     from mlx_lm_plus.config import Config
 
+    # (--api-key's default is the environment's MLX_LM_PLUS_API_KEY.)
+    monkeypatch.delenv("MLX_LM_PLUS_API_KEY", raising=False)
+
     parser = build_parser()
     dests = {a.dest: a for a in parser._actions if a.dest != "help"}
     fields = {f.name: f for f in dataclasses.fields(Config)}
     assert set(fields) == set(dests) | {"models"}
     assert parse_args([]) == Config()
     hints = typing.get_type_hints(Config)
+
+    def runtime_types(hint):  # (Optional[X] -> (X, None), Dict[str, Any] -> (dict,))
+        if typing.get_origin(hint) is typing.Union:
+            return tuple(typing.get_origin(a) or a for a in typing.get_args(hint))
+        return (typing.get_origin(hint) or hint,)
+
     for dest, action in dests.items():
         kind = hints[dest]
-        allowed = typing.get_args(kind) or (kind,)
-        allowed = tuple(typing.get_origin(k) or k for k in allowed)
+        allowed = runtime_types(kind)
         numbers = (int, float) if float in allowed else ()
         if action.default is not None and action.type in (int, float, str, None):
             assert isinstance(action.default, allowed + numbers), dest
@@ -85,6 +93,12 @@ def test_the_config_has_a_typed_field_for_every_flag_with_its_default():
             assert action.type in allowed, dest
         if isinstance(action, (argparse._StoreTrueAction,)):
             assert kind is bool, dest
+    # The flags with a converter of their own.
+    typed = parse_args(["--prompt-cache-bytes", "1GB", "--chat-template-args", '{"a": 1}',
+                        "--allowed-origins", "http://a,http://b"])
+    for dest in ("prompt_cache_bytes", "chat_template_args", "allowed_origins",
+                 "responses_store_bytes"):
+        assert isinstance(getattr(typed, dest), runtime_types(hints[dest])), dest
 
 
 @pytest.mark.parametrize(

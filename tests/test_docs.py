@@ -20,7 +20,7 @@ PAGES = [README] + DOCS
 # `python -m X` where X is a tool rather than a module of this project.
 SKIPPED_MODULES = {"pip", "venv", "pytest"}
 # Backticked text starting with one of these is read as a repository path.
-PATH_PREFIXES = ("mlx_lm_plus/", "benchmarks/", "compat/", "scripts/", "tests/",
+PATH_PREFIXES = ("mlx_lm_plus/", "benchmarks/", "compat/", "scripts/", "tests/", "testkit/",
                  "patches/", "docs/", ".ci/")
 
 FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
@@ -147,7 +147,7 @@ def test_python_m_commands_name_existing_modules():
 def repository_paths():
     """(page, line, path) for every backticked repository path: text that
     starts with one of PATH_PREFIXES, its first word when the span is a
-    command line (`tests/test_lanes.py -s`), with a `:line` suffix dropped;
+    command line (`tests/planning/test_lanes.py -s`), with a `:line` suffix dropped;
     spans with wildcards or placeholders are skipped."""
     for page in PAGES:
         text = blank_fences(page.read_text())

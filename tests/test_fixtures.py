@@ -4,7 +4,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, stream_generate
 
-from tests.fixtures import FIXTURE_KINDS, PIPELINE_KINDS, SPECIAL_TOKENS
+from testkit.fixtures import FIXTURE_KINDS, PIPELINE_KINDS, SPECIAL_TOKENS
 
 SYSTEM = "You are a helpful assistant. Answer briefly and clearly, with care."
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -64,11 +64,13 @@ def imports():
                     target = node.module or ""
                 if not target.startswith("mlx_lm_plus"):
                     continue
-                if target == "mlx_lm_plus":  # from mlx_lm_plus import x
-                    for alias in node.names:
-                        yield module, f"mlx_lm_plus.{alias.name}", where
-                else:
-                    yield module, target, where
+                for alias in node.names:
+                    # (from a.b import c: c may be a module of a.b, or a name in it)
+                    sub = PACKAGE.parent.joinpath(*f"{target}.{alias.name}".split("."))
+                    if sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file():
+                        yield module, f"{target}.{alias.name}", where
+                    elif target != "mlx_lm_plus":
+                        yield module, target, where
 
 
 def test_every_module_belongs_to_a_known_room():
@@ -87,6 +89,15 @@ def test_imports_follow_the_layering():
     assert not wrong, "\n".join(wrong)
 
 
+def test_http_uses_the_engine_through_its_facade():
+    """The HTTP side reaches the engine through Engine (engine/engine.py)
+    and the channel type it answers on, nothing else of it."""
+    facade = {"mlx_lm_plus.engine.engine", "mlx_lm_plus.engine.channel"}
+    wrong = [f"{where}: {m} imports {t}" for m, t, where in imports()
+             if room(m) == "http" and room(t) == "engine" and t not in facade]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_http_is_imported_by_the_wiring_only():
     wrong = [f"{where}: {m} imports {t}" for m, t, where in imports()
              if room(t) == "http" and room(m) not in ("http", "app")]
@@ -101,13 +112,34 @@ def test_no_engine_module_imports_the_facade():
 
 
 def test_the_rules_catch_a_wrong_import(tmp_path, monkeypatch):
-    """The checker itself: a cache module importing the engine is caught."""
+    """The checker itself: a cache module importing the engine is caught,
+    and an engine module importing the facade, however it is written."""
     fake = tmp_path / "mlx_lm_plus"
-    (fake / "cache").mkdir(parents=True)
+    for room_ in ("cache", "engine"):
+        (fake / room_).mkdir(parents=True)
+        (fake / room_ / "__init__.py").write_text("")
+    (fake / "engine" / "engine.py").write_text("")
     (fake / "cache" / "store.py").write_text("from mlx_lm_plus.engine.engine import Engine\n")
+    for i, line in enumerate(["from mlx_lm_plus.engine import engine",
+                              "from . import engine", "import mlx_lm_plus.engine.engine"]):
+        (fake / "engine" / f"part{i}.py").write_text(line + "\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-    [(module, target, where)] = list(imports())
-    assert (module, target) == ("mlx_lm_plus.cache.store", "mlx_lm_plus.engine.engine")
+    found = {(m, t) for m, t, _ in imports()}
+    assert ("mlx_lm_plus.cache.store", "mlx_lm_plus.engine.engine") in found
+    for i in range(3):
+        assert (f"mlx_lm_plus.engine.part{i}", "mlx_lm_plus.engine.engine") in found, i
+    try:
+        test_imports_follow_the_layering()
+    except AssertionError as e:
+        assert "cache/ -> engine/" in str(e)
+    else:
+        raise AssertionError("a cache module importing the engine was not caught")
+    try:
+        test_no_engine_module_imports_the_facade()
+    except AssertionError as e:
+        assert all(f"part{i}" in str(e) for i in range(3)), str(e)
+    else:
+        raise AssertionError("an engine module importing the facade was not caught")
     try:
         test_imports_follow_the_layering()
     except AssertionError as e:

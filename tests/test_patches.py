@@ -122,7 +122,7 @@ import os
 import sys
 from mlx_lm_plus import patches
 from mlx_lm_plus.engine import engine
-from tests.engine_harness import EngineRunner
+from testkit.engine_harness import EngineRunner
 
 def state():  # per patch: is the function in place ours (not upstream's)?
     return [getattr(p.PATCH.owner, p.PATCH.attr).__module__ == p.__name__
@@ -160,7 +160,7 @@ def _mixed_batch(model, tok):
     from mlx_lm.sample_utils import make_repetition_penalty
 
     from mlx_lm_plus.planning.constraints import ConstraintProcessor, compile_response_format
-    from tests.test_constraints import run_batch
+    from tests.planning.test_constraints import run_batch
 
     schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                {"type": "array", "items": {"type": "string"}, "minItems": 3},

@@ -35,3 +35,26 @@ def test_a_name_upstream_no_longer_has_fails_the_import_naming_it(remove):
     assert run.returncode != 0
     assert "UpstreamChanged" in run.stderr and name in run.stderr, run.stderr[-2000:]
     assert "install mlx-lm==0.32.2" in run.stderr
+
+
+def test_no_module_but_upstream_and_patches_imports_a_private_mlx_name():
+    """Every private name of mlx-lm or mlx-vlm comes through upstream.py
+    (patches/ replace upstream functions and are guarded on their own)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(upstream.__file__).parent
+    wrong = []
+    for path in package.rglob("*.py"):
+        if path.name == "upstream.py" or "patches" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.split(".")[0] in ("mlx_lm", "mlx_vlm")):
+                wrong += [f"{path.relative_to(package)}:{node.lineno}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id == "upstream"):
+                wrong.append(f"{path.relative_to(package)}:{node.lineno}: upstream.{node.attr}")
+    assert not wrong, "\n".join(wrong)

@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from tests.fixtures import VLM_KINDS
+from testkit.fixtures import VLM_KINDS
 
 # Image tokens one 64x64 image becomes (see _gemma3_files / _idefics3_files /
 # _mistral3_files; Mistral 3's [IMG_BREAK] and [IMG_END] are not counted).

@@ -102,15 +102,17 @@ class Group:
     group of one: nothing is shared, every fact is this rank's own).
 
     `on_clear` runs when the ranks clear their prompt caches together (at a
-    hand-off, for DELETE /v1/cache on rank 0)."""
+    hand-off, for DELETE /v1/cache on rank 0); `on_stop` when rank 0 says
+    it stops (at any hand-off: the ranks stop together)."""
 
-    def __init__(self, store, on_clear: Callable[[], None]):
+    def __init__(self, store, on_clear: Callable[[], None], on_stop: Callable[[], None]):
         group = mx.distributed.init()
         self.is_distributed = group.size() > 1
         self.rank = group.rank()
         self.size = group.size()
         self.store = store
         self.on_clear = on_clear
+        self.on_stop = on_stop
         self.handoffs = 0  # hand-offs so far (the same on every rank, checked)
         # Rank 0's time.monotonic() at the last hand-off: every rank's store
         # reads it (one clock for expiry and recency, whatever the hosts' own).
@@ -155,6 +157,7 @@ class Group:
         self.clock = clock / 1e6
         if stop:
             self.stopped = True
+            self.on_stop()
         if clearing:  # (DELETE /v1/cache on rank 0)
             self.store.clear()
             self.on_clear()

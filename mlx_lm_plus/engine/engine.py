@@ -98,7 +98,7 @@ class Engine:
         self.model_provider = model_provider
         self.store = store
         args = model_provider.cli_args
-        self.group = Group(store, on_clear=self._cleared)
+        self.group = Group(store, on_clear=self._cleared, on_stop=self.stop)
         self.watchdog = Watchdog(on_hang=self._shut_down, stopped=lambda: self._stop)
         self.planner = Planner(model_provider, store, self.group)
         self.facts = ModelFacts(self.group, args)
@@ -420,12 +420,8 @@ class Engine:
         self._thread.join()
 
     def share_object(self, obj, site: int):
-        """Rank 0's `obj` on every rank (Group.share_object); rank 0 stopping
-        stops the others."""
-        shared = self.group.share_object(obj, site, self._stop)
-        if self.group.stopped:
-            self._stop = True
-        return shared
+        """Rank 0's `obj` on every rank (Group.share_object)."""
+        return self.group.share_object(obj, site, self._stop)
 
     # -- planning, on the HTTP side's threads --
 

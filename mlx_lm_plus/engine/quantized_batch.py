@@ -46,7 +46,7 @@ prompt batch and the generation batch are separate layers, and the
 generation batch's are rebuilt whenever it empties. With
 --quantized-kv-start 0 every row is quantized after its first call, as
 upstream does, whatever it shares a layer with; the arithmetic is then
-upstream's and greedy tokens are the same (tests/test_kv_bits.py), unless a
+upstream's and greedy tokens are the same (tests/engine/test_kv_bits.py), unless a
 new request joins a prompt batch in which another one is still prefilling a
 prompt longer than --prefill-step-size (its first chunk is then quantized).
 
@@ -64,10 +64,11 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
-    _BaseCache,
     dynamic_roll,
     make_prompt_cache,
 )
+
+from mlx_lm_plus.upstream import BaseCache
 
 
 def supports_quantized_batching(model, group_size: int) -> bool:
@@ -117,7 +118,7 @@ def _quantize(x, group_size: int, bits: int):
     return tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 
-class BatchQuantizedKVCache(_BaseCache):
+class BatchQuantizedKVCache(BaseCache):
     step = 256
 
     def __init__(self, left_padding: List[int], *, group_size: int = 64, kv_bits: int = 8,

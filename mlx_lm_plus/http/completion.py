@@ -185,6 +185,9 @@ class Completions:
             self.engine.submit(channel, parsed.request, parsed.args, planned)
         except EngineUnavailable as e:
             return self.unavailable(request, str(e))
+        # The plan is the engine's now: held here too, an image request's
+        # pixels would stay in memory until its answer ends.
+        del planned
 
         try:
             pulse = _Pulse()

@@ -35,7 +35,7 @@ from typing import List, Optional, Tuple
 
 import aiohttp
 from aiohttp.abc import AbstractResolver
-from mlx_lm.server import _image_parts, _image_url
+from mlx_lm_plus.upstream import image_parts, image_url
 from yarl import URL
 
 from mlx_lm_plus.protocols.validation import RequestError, _validate_images
@@ -221,7 +221,7 @@ async def inline_remote_images(messages, cli, *,
     if not isinstance(messages, list) or not cli.allow_remote_images:
         return
     remote: List[Tuple[int, dict]] = [
-        (i, part) for i, part in enumerate(_image_parts(messages)) if is_remote(_image_url(part))
+        (i, part) for i, part in enumerate(image_parts(messages)) if is_remote(image_url(part))
     ]
     if not remote:
         return
@@ -240,7 +240,7 @@ async def inline_remote_images(messages, cli, *,
             try:
                 for i, part in remote:
                     task = asyncio.create_task(
-                        _fetch_checked(session, _image_url(part), cli, budget))
+                        _fetch_checked(session, image_url(part), cli, budget))
                     tasks[task] = (i, part)
                 done, pending = await asyncio.wait(
                     tasks, timeout=deadline, return_when=asyncio.FIRST_EXCEPTION)
@@ -264,7 +264,7 @@ async def inline_remote_images(messages, cli, *,
             reason = str(error) if isinstance(error, (_Failed, Refused)) else repr(error)
         else:
             continue
-        log.warning("Remote image %d (%s) not used: %s", i, _image_url(part), reason)
+        log.warning("Remote image %d (%s) not used: %s", i, image_url(part), reason)
     if errors or unfinished:
         # The first image that failed; without one, the first that timed out.
         raise fetch_error(min(errors or unfinished))

@@ -154,3 +154,6 @@ class Lane:
                 job.set_exception(error)
             elif running:
                 job.set_result(result)
+            # (Not held while this thread waits for the next job: a plan
+            # holds an image request's pixels.)
+            job = fn = args = result = error = None

@@ -19,10 +19,6 @@ from typing import Any, Dict, List, Optional
 from mlx_lm.server import (
     CompletionRequest,
     Vision,
-    _decode_image,
-    _image_parts,
-    _image_url,
-    _make_vision,
     convert_chat,
     process_message_content,
 )
@@ -30,6 +26,7 @@ from tokenizers import Tokenizer
 
 from mlx_lm_plus.models.vision import VisionSupport
 from mlx_lm_plus.models.vlm_generation import MlxVlmGeneration
+from mlx_lm_plus.upstream import decode_image, image_parts, image_url, make_vision
 
 
 # A prompt's text is bounded before it is rendered and tokenized: a fast
@@ -148,7 +145,7 @@ def build_prompt(
 
     messages = request.messages
     if not tokenizer.has_chat_template:
-        if processor is not None and any(_image_parts(messages)):
+        if processor is not None and any(image_parts(messages)):
             # (convert_chat would write the parts' repr, data URL and all)
             raise ValueError("This model has no chat template to place images with")
         tokens = tokenizer.encode(convert_chat(messages, request.role_mapping))
@@ -173,10 +170,10 @@ def build_prompt(
             return _plan(tokens, boundaries, _initial_state(tokenizer, tokens), vision)
     elif urls:
         text, pixel_values = processor(
-            text, images=[_decode_image(u) for u in urls]
+            text, images=[decode_image(u) for u in urls]
         )
         tokens = tokenizer.encode(text, add_special_tokens=False)
-        vision = _make_vision(
+        vision = make_vision(
             tokens,
             urls=urls,
             pixel_values=pixel_values,
@@ -212,7 +209,7 @@ def _as_image_parts(messages) -> None:
     for message in messages:
         if isinstance(message.get("content"), list):
             for part in message["content"]:
-                if isinstance(part, dict) and _image_url(part) is not None:
+                if isinstance(part, dict) and image_url(part) is not None:
                     part["type"] = "image"
 
 

@@ -19,13 +19,12 @@ from mlx_lm.server import (
     LogitsProcessorArguments,
     ModelDescription,
     SamplingArguments,
-    _image_parts,
-    _image_url,
 )
 
 from mlx_lm_plus.codec import b64decode
 from mlx_lm_plus.errors import RequestError
 from mlx_lm_plus.planning.vocab import check_vocab
+from mlx_lm_plus.upstream import image_parts, image_url
 from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS
 
 
@@ -271,7 +270,7 @@ def _validate_images(body: Dict[str, Any], cli) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
-    urls = [_image_url(p) for p in _image_parts(messages)]
+    urls = [image_url(p) for p in image_parts(messages)]
     if not urls:
         return
     most = cli.max_images

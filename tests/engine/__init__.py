@@ -1,0 +1,1 @@
+"""Tests of mlx_lm_plus/engine/: the generation thread."""
