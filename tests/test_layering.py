@@ -19,6 +19,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "mlx_lm_plus"
 LEAVES = {"errors", "logs", "upstream", "codec"}
 ALLOWED = {
@@ -128,21 +130,8 @@ def test_the_rules_catch_a_wrong_import(tmp_path, monkeypatch):
     assert ("mlx_lm_plus.cache.store", "mlx_lm_plus.engine.engine") in found
     for i in range(3):
         assert (f"mlx_lm_plus.engine.part{i}", "mlx_lm_plus.engine.engine") in found, i
-    try:
+    with pytest.raises(AssertionError, match="cache/ -> engine/"):
         test_imports_follow_the_layering()
-    except AssertionError as e:
-        assert "cache/ -> engine/" in str(e)
-    else:
-        raise AssertionError("a cache module importing the engine was not caught")
-    try:
+    with pytest.raises(AssertionError) as caught:
         test_no_engine_module_imports_the_facade()
-    except AssertionError as e:
-        assert all(f"part{i}" in str(e) for i in range(3)), str(e)
-    else:
-        raise AssertionError("an engine module importing the facade was not caught")
-    try:
-        test_imports_follow_the_layering()
-    except AssertionError as e:
-        assert "cache/ -> engine/" in str(e)
-    else:
-        raise AssertionError("a cache module importing the engine was not caught")
+    assert all(f"part{i}" in str(caught.value) for i in range(3)), str(caught.value)
