@@ -77,7 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.harness import fixture_or_model
 from compat.launch import OURS, UPSTREAM, ServerProcess
-from mlx_lm_plus.planning.prompt import common_prefix
+from mlx_lm_plus.planning.checkpoints import common_prefix
 
 SYSTEM = """\
 You are an interactive command-line coding agent. You help the user with \
@@ -506,7 +506,7 @@ def last_checkpoint(tokenizer, messages, tools, tokens) -> int:
     turn's prompt: the end of this conversation as the next turn renders it
     (prompt.py's last boundary, which it drops from the conversation's own
     prompt where it falls at the very end)."""
-    from mlx_lm_plus.planning.prompt import checkpoint_positions
+    from mlx_lm_plus.planning.checkpoints import checkpoint_positions
 
     kwargs = dict(tools=tools, tokenize=True)
     found = checkpoint_positions(tokenizer, server_messages(messages), tokens, kwargs)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from compat.launch import OURS, UPSTREAM, ServerProcess
-from mlx_lm_plus.planning.prompt import common_prefix
+from mlx_lm_plus.planning.checkpoints import common_prefix
 
 SYSTEM = ("You are a meticulous travel-planning assistant. You answer with short "
           "numbered lists, you name every city, and you count the days. ") * 12

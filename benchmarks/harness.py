@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
-from mlx_lm_plus.planning.prompt import common_prefix
+from mlx_lm_plus.planning.checkpoints import common_prefix
 
 
 def add_model_args(parser, default_kind: str) -> None:

@@ -18,7 +18,7 @@ from mlx_lm.server import CompletionRequest
 from mlx_lm.utils import load_tokenizer
 
 from benchmarks.harness import add_model_args, fixture_or_model
-from mlx_lm_plus.planning import prompt
+from mlx_lm_plus.planning import checkpoints as prompt
 from mlx_lm_plus.planning.prompt import build_prompt
 from testkit.fixtures import WORDS
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_lm_plus.cache.store import PromptStore
-from mlx_lm_plus.planning.prompt import common_prefix
+from mlx_lm_plus.planning.checkpoints import common_prefix
 
 SYSTEM = ("You are a careful assistant for a small town library. You answer in "
           "plain sentences, you give dates and names when you know them, and "

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from mlx_lm_plus.planning import prompt
-from mlx_lm_plus.planning.prompt import _checkpoint_positions_reference, checkpoint_positions
+from mlx_lm_plus.planning import checkpoints as prompt
+from mlx_lm_plus.planning.checkpoints import _checkpoint_positions_reference, checkpoint_positions
 from testkit.fixtures import CHAT_TEMPLATE, FIXTURE_KINDS, SPECIAL_TOKENS, _corpus
 
 TOOLS = [{

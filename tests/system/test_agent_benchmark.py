@@ -30,7 +30,7 @@ from benchmarks.agent import (
     render,
     server_messages,
 )
-from mlx_lm_plus.planning.prompt import checkpoint_positions
+from mlx_lm_plus.planning.checkpoints import checkpoint_positions
 
 TURNS, TOOLS, RESULT_CHARS = 4, 6, 600
 # Tokens the server reuses short of the end of the previous conversation.
