@@ -21,9 +21,11 @@ WRITTEN_FOR = "0.32.2"
 _GENERATOR_STATE = ("_unprocessed_sequences", "_prompt_batch", "_generation_batch")
 
 
-def _version(package: str) -> str:
+def mlx_lm_version() -> str:
+    """The installed mlx-lm's version (patches/ and this module say it when
+    what they were written for is not what they find)."""
     try:
-        return version(package)
+        return version("mlx-lm")
     except PackageNotFoundError:
         return "unknown"
 
@@ -34,7 +36,7 @@ class UpstreamChanged(ImportError):
 
 def _missing(what: str) -> UpstreamChanged:
     return UpstreamChanged(
-        f"mlx_lm_plus needs {what}, which the installed mlx-lm {_version('mlx-lm')} "
+        f"mlx_lm_plus needs {what}, which the installed mlx-lm {mlx_lm_version()} "
         f"lacks (written for mlx-lm {WRITTEN_FOR}): install mlx-lm=={WRITTEN_FOR}")
 
 

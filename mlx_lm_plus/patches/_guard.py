@@ -11,22 +11,13 @@ and leaves upstream's function alone.
 import hashlib
 import inspect
 import logging
-from importlib.metadata import PackageNotFoundError, version
-
-WRITTEN_FOR = "0.32.2"
+from mlx_lm_plus.upstream import WRITTEN_FOR, mlx_lm_version
 
 log = logging.getLogger("mlx_lm_plus.patches")
 
 
 def source_sha256(fn) -> str:
     return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
-
-
-def mlx_lm_version() -> str:
-    try:
-        return version("mlx-lm")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class Patch:
