@@ -17,6 +17,7 @@ from mlx_lm_plus.engine.distributed import HANDOFF_STOPPED
 from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
 from mlx_lm_plus.engine.outputs import final_events, token_response
 from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
+from mlx_lm_plus.engine.seeded import SeededSampler
 from mlx_lm_plus.engine.segments import for_batch, prefill_chunk, same_prefix
 from mlx_lm_plus.errors import OutOfMemory, request_error
 from mlx_lm_plus.upstream import (
@@ -93,6 +94,8 @@ class _Batch:
         the same object; a sampler holds no state of its own). Not with XTC,
         whose one random draw per call would then decide for all the rows."""
         s = args.sampling
+        if args.seed is not None and s.temperature > 0:
+            return SeededSampler(s, args.seed)  # (a row's own: never shared)
         if s.xtc_probability > 0:
             return make_sampler(args, self.tokenizer)
         key = (s.temperature, s.top_p, s.top_k, s.min_p)

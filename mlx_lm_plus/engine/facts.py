@@ -6,6 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_plus.cache.layers import is_plain_kv
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
+from mlx_lm_plus.engine.seeded import batches_seeded
 from mlx_lm_plus.models.provider import own_vision
 from mlx_lm_plus.upstream import image_parts
 
@@ -55,7 +56,7 @@ class ModelFacts:
         cli_args = self.cli_args
         return (
             lm.is_batchable
-            and args.seed is None
+            and (args.seed is None or batches_seeded(args.sampling))
             and (cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching", lambda: self.group.on_every_rank(
                      supports_quantized_batching(lm.model, cli_args.kv_group_size))))

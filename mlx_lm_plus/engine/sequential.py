@@ -1,5 +1,5 @@
 """The sequential path: a request served alone with mlx-lm's
-`stream_generate` (a seed, a draft model, images for one of mlx-lm's own
+`stream_generate` (a draft model, a seed with XTC, images for one of mlx-lm's own
 vision models, --kv-bits where the batch can't quantize) or mlx-vlm's own
 generation (vlm_generation.py), as upstream serves every request. Its
 checkpoints are prefilled and stored here, at the positions the batch
@@ -33,7 +33,7 @@ class SequentialRunner:
         self.host = host
 
     def serve(self, lm, channel, request, args, planned, stream):
-        """Sequential path: seed, draft model, images (and --kv-bits on models
+        """Sequential path: draft model, a seed with XTC, images (and --kv-bits on models
         quantized_batch.py does not batch), and every request for a model
         served through mlx-vlm's own generation (vlm_generation.py)."""
         host = self.host

@@ -123,7 +123,7 @@ def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, ex
 
 def test_a_client_gone_during_a_prefill_stops_it_on_every_rank(hosts, fixture_path,
                                                                 tmp_path):
-    """A sequential (seeded) request with a long prompt, prefilled in small
+    """A sequential (seeded, with XTC) request with a long prompt, prefilled in small
     chunks: its client goes during the prefill, and every rank stops it at
     the same chunk (only rank 0 sees the client: they ask it together), then
     goes on serving."""
@@ -132,7 +132,7 @@ def test_a_client_gone_during_a_prefill_stops_it_on_every_rank(hosts, fixture_pa
     with two:
         long = " ".join(f"Line {i} is about rivers and boats." for i in range(200))
         body = {"messages": [{"role": "user", "content": long}], "max_tokens": 8,
-                "stream": True, "seed": 2}
+                "stream": True, "seed": 2, "xtc_probability": 0.5, "xtc_threshold": 0.1}
         req = urllib.request.Request(two.url + "/v1/chat/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

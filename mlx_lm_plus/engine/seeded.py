@@ -1,0 +1,42 @@
+"""A seeded request's sampler, for the batch: a random state of its own.
+
+Upstream serves a request with `seed` alone, after mx.random.seed(seed):
+its draws come from the global random state, so batched with others they
+would depend on what else drew. Here the row keeps its own key, started as
+mx.random.seed(seed) starts the global one and split as MLX splits that one
+at every draw (KeySequence: the state becomes the first half of a split,
+the draw uses the second), so a seeded request writes the same text alone,
+in any batch, after a restart, and as upstream's sequential path writes it.
+Its filters are upstream's own (top_p, min_p, top_k, in make_sampler's
+order); XTC, which draws inside a compiled upstream function, is not
+offered here (facts.is_batchable keeps such requests sequential).
+"""
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+class SeededSampler:
+    def __init__(self, sampling, seed: int):
+        if sampling.xtc_probability > 0:
+            raise ValueError("XTC draws from the global random state")
+        self.key = mx.random.key(seed)
+        self.temperature = sampling.temperature
+        self.top_p, self.min_p, self.top_k = sampling.top_p, sampling.min_p, sampling.top_k
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        # (make_sampler's chain, in its order.)
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
+
+
+def batches_seeded(sampling) -> bool:
+    """Whether a seeded request's sampling can run in the batch (its own
+    state): greedy, or without XTC."""
+    return sampling.temperature == 0 or sampling.xtc_probability <= 0
