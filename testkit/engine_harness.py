@@ -14,6 +14,14 @@ from mlx_lm_plus.config import parse_args
 from mlx_lm_plus.protocols.validation import parse_request
 
 
+# What sends a request to the sequential path today (a seed with XTC,
+# whose draw upstream makes from the global random state). Greedy unless the
+# body says otherwise: XTC only acts when sampling. Tests of the sequential
+# path send this; EngineRunner.sequential counts what really went there, and
+# tests/engine/test_seeds.py fails if this stops going there.
+SEQUENTIAL = {"seed": 1, "xtc_probability": 0.5, "xtc_threshold": 0.1}
+
+
 class Collect(Channel):
     def __init__(self):
         self.items = queue.Queue()
@@ -59,6 +67,14 @@ class EngineRunner:
         self.engine = Engine(self.provider, self.store)
         self.exits = []  # the statuses the engine exited the process with
         self.engine.exit_process = self.exits.append
+        self.sequential = 0  # requests the sequential path served
+        serve = self.engine.sequential.serve
+
+        def counted(*a, **kw):
+            self.sequential += 1
+            return serve(*a, **kw)
+
+        self.engine.sequential.serve = counted
         if as_a_rank:
             # The engine's mx.distributed paths, on a group of one (its
             # collectives are then the values themselves).

@@ -23,7 +23,7 @@ active batch. Its parts, each in a module of its own:
     planner.py       a request's plan (prompt, constraint, budget, context)
     facts.py         per-model facts: checkpoints, batchable or not
     batch.py         a model's batch (BatchGenerator), stepped here
-    sequential.py    the sequential path (seed, draft model, mlx-vlm's own)
+    sequential.py    the sequential path (draft model, seed with XTC, mlx-vlm's own)
     vision_prefill   images through the vision tower at admission
     segments.py      where a prompt is cut into model calls (checkpoints)
     outputs.py       the events a request's channel gets

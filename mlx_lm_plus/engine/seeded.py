@@ -38,5 +38,6 @@ class SeededSampler:
 
 def batches_seeded(sampling) -> bool:
     """Whether a seeded request's sampling can run in the batch (its own
-    state): greedy, or without XTC."""
-    return sampling.temperature == 0 or sampling.xtc_probability <= 0
+    state): not with XTC, at any temperature (one rule a client can read in
+    the docs, not one that moves with the temperature)."""
+    return sampling.xtc_probability <= 0

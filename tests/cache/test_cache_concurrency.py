@@ -2,7 +2,7 @@
 
 import pytest
 
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 from tests.cache.test_cache_exactness import SYSTEM, assert_store_invariant, conversation
 
 KINDS = ["qwen3_5", "mamba2", "qwen3", "gemma3_text"]
@@ -59,7 +59,7 @@ def test_byte_budget_holds_after_every_insert(seeded, fixture_path):
 
     store.insert = checked_insert
     try:
-        extra = {"seed": 1} if seeded else {}
+        extra = SEQUENTIAL if seeded else {}
         for t in range(1, 7):
             runner.run({**conversation(t), **extra})
         assert len(seen) >= 6 and store.snapshot()["evictions"] > 0

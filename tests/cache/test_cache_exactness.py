@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_plus.cache.layers import compact
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 
 KINDS = ["qwen3", "qwen3_5", "mamba2", "gemma3_text", "nemotron_h"]
 SYSTEM = ("You are a careful assistant for travel planning. Answer with short lists, "
@@ -99,18 +99,18 @@ def _arrays(state):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "mamba2"])
 def test_sequential_path_cached_equals_cold(kind, fixture_path):
-    """Requests with a seed take the sequential path; its checkpoints are exact too."""
+    """The sequential path's checkpoints are exact too."""
     path = fixture_path(kind)
     cached, cold = EngineRunner(path), EngineRunner(path, max_bytes=0)
     try:
         hits = 0
         for name, bodies in workload():
             for i, body in enumerate(bodies):
-                body = {**body, "seed": 3}
+                body = {**body, **SEQUENTIAL}
                 tokens, _, hit = cached.run(body)
                 assert tokens == cold.run(body)[0], (kind, name, i)
                 hits += hit
-        assert hits > 0
+        assert hits > 0 and cached.sequential == cold.sequential > 0
         assert_store_invariant(cached)
     finally:
         cached.close()
@@ -203,7 +203,7 @@ def test_a_conversation_keeps_one_state_per_turn(kind, fixture_path):
                                              ("qwen3", 3, True)])
 def test_penalties_count_the_whole_prompt_cached_or_cold(kind, seed, draft, fixture_path):
     """Repetition and presence penalties look back over the prompt too. On
-    the sequential path (a seed) mlx-lm's generate_step hands the
+    the sequential path (SEQUENTIAL) mlx-lm's generate_step hands the
     processors only the prompt it is given: the part not cached (nor
     prefilled to a checkpoint); with a draft model, none of it. Cached and
     cold must still agree."""
@@ -216,7 +216,7 @@ def test_penalties_count_the_whole_prompt_cached_or_cold(kind, seed, draft, fixt
                         {"repetition_penalty": 3.0, "repetition_context_size": 2000}):
             body = {"messages": [{"role": "system", "content": vocab_text},
                                  {"role": "user", "content": "Plan a day by the river."}],
-                    "max_tokens": 8, **penalty, **({"seed": seed} if seed is not None else {})}
+                    "max_tokens": 8, **penalty, **(SEQUENTIAL if seed is not None else {})}
             for turn in range(2):
                 tokens, _, hit = cached.run(body)
                 assert tokens == cold.run(body)[0], (penalty, turn, hit)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mlx_lm_plus.engine.segments import prefill_chunk
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 from tests.models.test_vision import image_part, noise, user
 
 STEP = 64  # --prefill-step-size
@@ -310,7 +310,7 @@ def test_requests_that_arrive_together_go_shortest_work_first(fixture_path):
 
 def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
     """Only requests that arrived together are reordered: on the sequential
-    path (seeded requests), where the queue isn't emptied every step, a
+    path, where the queue isn't emptied every step, a
     long request waiting behind a running one is passed by the short one
     that came with it, never by those that come later, one per generation."""
     from mlx_lm.server import Response
@@ -331,7 +331,7 @@ def test_a_long_request_is_not_passed_by_later_arrivals(fixture_path):
             super().put(item)
 
     def body(words, topic, n):
-        return words_body(words, topic, n, seed=1)
+        return words_body(words, topic, n, **SEQUENTIAL)
 
     runner = EngineRunner(fixture_path("qwen3"))
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from mlx_lm_plus.errors import EngineUnavailable
 from mlx_lm_plus.protocols.validation import parse_request
-from testkit.engine_harness import Collect, EngineRunner
+from testkit.engine_harness import SEQUENTIAL, Collect, EngineRunner
 
 CHAT = "/v1/chat/completions"
 
@@ -117,13 +117,12 @@ def test_a_cancelled_request_parked_behind_a_checkpoint_goes_at_once(fixture_pat
 
 def test_a_request_served_one_at_a_time_is_cut_short_when_the_engine_stops(fixture_path):
     """SIGTERM: once --shutdown-timeout is over, engine.stop() answers what
-    is left. A seeded request (the sequential path) went on generating until
+    is left. A request on the sequential path went on generating until
     aiohttp cut its connection, and the requests queued behind it waited."""
     r = EngineRunner(fixture_path("qwen3"))
     try:
         r.loaded
-        long = submit(r, chat("tell me a long story", max_tokens=20000, seed=3,
-                              temperature=0.0))
+        long = submit(r, chat("tell me a long story", max_tokens=20000, **SEQUENTIAL))
         queued = submit(r, chat("and you?"))
         first = long.items.get(timeout=60)
         while isinstance(first, tuple):
@@ -157,7 +156,7 @@ def test_a_prompt_chunk_is_cut_short_while_another_model_decodes(runner, monkeyp
 
 
 def test_checkpoints_prefilled_one_at_a_time_are_quantized_under_kv_bits(fixture_path):
-    """--kv-bits on the sequential path (a seed) of a hybrid model: its
+    """--kv-bits on the sequential path of a hybrid model: its
     checkpoints were prefilled by plain model calls, never quantized (stored
     as float KV, and the memory --kv-bits bounds was not bounded), unlike
     generate_step's prefill and the batched path."""
@@ -167,10 +166,10 @@ def test_checkpoints_prefilled_one_at_a_time_are_quantized_under_kv_bits(fixture
                      argv=["--kv-bits", "4", "--quantized-kv-start", "0"])
     try:
         r.loaded
-        body = {"max_tokens": 3, "seed": 1, "messages": [
+        body = {"max_tokens": 3, **SEQUENTIAL, "messages": [
             {"role": "system", "content": "You plan trips by the river. " * 20},
             {"role": "user", "content": "Which boat?"}]}
-        assert submit(r, body).result(timeout=60)[0]
+        assert submit(r, body).result(timeout=60)[0] and r.sequential == 1
         entries = r.store.entries()
         assert len(entries) >= 2  # checkpoints, and the reply's end
         for entry in entries:

@@ -13,7 +13,7 @@ from mlx_lm.server import Response
 
 from mlx_lm_plus.engine import engine as engine_module
 from mlx_lm_plus.errors import InternalError, OutOfMemory
-from testkit.engine_harness import Collect, EngineRunner
+from testkit.engine_harness import SEQUENTIAL, Collect, EngineRunner
 
 LONG = " ".join(f"Line {i} is about trains, stations and tickets." for i in range(30))
 
@@ -96,8 +96,9 @@ def test_budget_covers_caches_growing_in_decode(fixture_path, path):
         runner.store.insert = insert
         body = chat("A different, long question " * 8, max_tokens=300)
         if path == "sequential":
-            body["seed"] = 3
+            body.update(SEQUENTIAL)
         tokens, _, _ = runner.run(body)
+        assert runner.sequential == (path == "sequential")
         assert len(tokens) == 300
         assert seen["at_end"] is False, "the old entry outlived the budget during decode"
         assert runner.store.stats["evicted"] >= 1
@@ -151,10 +152,12 @@ def test_allocation_failure_is_a_503_for_that_request(runner, monkeypatch, path)
                          "[metal::malloc] Unable to allocate 68719476736 bytes.")
     body = chat("This one runs out of memory", max_tokens=4)
     if path == "sequential":
-        body["seed"] = 1
+        body.update(SEQUENTIAL)
+    sequential_before = runner.sequential
     with pytest.raises(OutOfMemory, match="Unable to allocate"):
         runner.run(body)
     monkeypatch.undo()
+    assert runner.sequential - sequential_before == (path == "sequential")
     assert engine.restarts == 0 and engine.is_healthy
     assert len(runner.run(chat("and this one does not", max_tokens=4))[0]) == 4
 
@@ -177,7 +180,7 @@ def test_an_mlx_error_on_a_rank_ends_the_group(fixture_path, monkeypatch, path,
         assert r.run(chat("warm up", max_tokens=4))[0]
         fail_next_model_call(r, monkeypatch, message)
         body = chat("This one fails on one host", max_tokens=4, **(
-            {"seed": 1} if path == "sequential" else {}))
+            SEQUENTIAL if path == "sequential" else {}))
         with pytest.raises(engine_module.EngineUnavailable,
                            match=f"Generation engine unavailable: {reason}"):
             r.run(body)
@@ -260,7 +263,7 @@ def test_rows_with_the_same_sampling_share_one_sampler(runner):
     batch._samplers, batch.tokenizer = {}, runner.loaded.tokenizer
 
     def args(temperature, xtc=0.0, top_p=1.0):
-        return SimpleNamespace(sampling=SimpleNamespace(
+        return SimpleNamespace(seed=None, sampling=SimpleNamespace(
             temperature=temperature, top_p=top_p, top_k=0, min_p=0.0,
             xtc_probability=xtc, xtc_threshold=0.1))
 

@@ -23,7 +23,7 @@ from mlx_lm_plus.engine.quantized_batch import (
     QuantizedBatchGenerator,
     from_layer,
 )
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 
 H, D, G = 2, 64, 64  # kv heads, head dim, group size
 SETTINGS = dict(group_size=G, kv_bits=4, quantized_kv_start=0)
@@ -283,7 +283,7 @@ class Peak(threading.Thread):
 
 def test_engine_concurrent_equals_alone_and_sequential(mid):
     """Several concurrent --kv-bits requests are batched, and each gives the
-    tokens it gives alone and on the sequential path (a seed sends it there).
+    tokens it gives alone and on the sequential path.
     No prompt cache, so every run quantizes at the same points."""
     path, _, _ = mid
     runner = EngineRunner(path, max_bytes=0, argv=KV_ARGS)
@@ -292,8 +292,8 @@ def test_engine_concurrent_equals_alone_and_sequential(mid):
             together = runner.run_all([body(i) for i in range(3)])
         assert batch.value >= 2
         alone = [runner.run(body(i))[0] for i in range(3)]
-        sequential = [runner.run({**body(i), "seed": 1})[0] for i in range(3)]
-        assert together == alone == sequential
+        sequential = [runner.run({**body(i), **SEQUENTIAL})[0] for i in range(3)]
+        assert together == alone == sequential and runner.sequential == 3
         assert len(set(map(tuple, together))) == 3
     finally:
         runner.close()
@@ -338,8 +338,9 @@ def test_server_batches_and_resumes_from_cache(mid):
 
     runner = EngineRunner(path, argv=KV_ARGS)
     try:
-        assert runner.run({**body(0), "seed": 1})[0] == replies[0][0]
-        tokens, _, sequential_cached = runner.run({**follow, "seed": 1})
+        assert runner.run({**body(0), **SEQUENTIAL})[0] == replies[0][0]
+        tokens, _, sequential_cached = runner.run({**follow, **SEQUENTIAL})
+        assert runner.sequential == 2
     finally:
         runner.close()
     assert (warm, cached) == (tokens, sequential_cached)

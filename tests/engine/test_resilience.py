@@ -12,7 +12,7 @@ from mlx_lm_plus.http.server import make_app
 from mlx_lm_plus.app import build
 from mlx_lm_plus.errors import EngineUnavailable
 from mlx_lm_plus.config import parse_args
-from testkit.engine_harness import Collect, EngineRunner
+from testkit.engine_harness import SEQUENTIAL, Collect, EngineRunner
 
 LONG = " ".join(f"Paragraph {i} talks about rivers, boats and the weather." for i in range(40))
 
@@ -168,7 +168,7 @@ def test_disconnect_leaves_within_one_step(slow_prefill_runner, path, phase):
     engine = runner.engine
     body = chat(LONG + f" ({path}, {phase})", max_tokens=5000)
     if path == "sequential":
-        body["seed"] = 7  # seeded requests take the sequential path
+        body.update(SEQUENTIAL)
     parsed_channel = Watch(engine)
     from mlx_lm_plus.protocols.validation import parse_request
 

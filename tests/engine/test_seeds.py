@@ -12,7 +12,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_lm_plus.engine import batch as batch_module
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 
 PROMPTS = 100
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
@@ -91,15 +91,17 @@ def test_the_same_text_after_a_restart(alone, fixture_path):
         runner.close()
 
 
-def test_greedy_and_xtc_seeded_requests(alone):
-    """Temperature 0 ignores the seed (greedy, batched as any); a seeded
-    request with XTC, whose draw is inside upstream's compiled sampler,
-    is served alone as upstream serves it."""
-    from mlx_lm_plus.engine.seeded import batches_seeded
-
+def test_only_a_seed_with_xtc_leaves_the_batch(alone):
+    """Every seeded request so far went through the batch; a seeded request
+    with XTC, whose draw is inside upstream's compiled sampler, is served
+    alone as upstream serves it, and writes the same text each time. (This
+    is testkit's SEQUENTIAL, which tests of the sequential path send: if it
+    stops going there, they test nothing, and this fails.)"""
     _, runner = alone
-    assert batches_seeded(type("S", (), {"temperature": 0.0, "xtc_probability": 0.5}))
-    assert not batches_seeded(type("S", (), {"temperature": 0.8, "xtc_probability": 0.5}))
-    body = {**seeded(3), "xtc_probability": 0.5, "xtc_threshold": 0.1}
+    assert runner.sequential == 0
+    greedy = {"messages": seeded(3)["messages"], "max_tokens": 6}
+    assert runner.run({**greedy, **SEQUENTIAL})[0] == runner.run(greedy)[0]
+    assert runner.sequential == 1
+    body = {**seeded(3), **SEQUENTIAL}
     first = runner.run(body)[0]
-    assert runner.run(body)[0] == first
+    assert runner.run(body)[0] == first and runner.sequential == 3

@@ -11,7 +11,7 @@ import io
 import pytest
 from PIL import Image, PngImagePlugin
 
-from testkit.engine_harness import EngineRunner
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
 
 
 def png(color, size=(56, 56), **save):
@@ -424,15 +424,15 @@ def test_shared_system_prompt_then_other_images(runner, cold):
             assert cached >= len(system_end)
 
 
-def test_seeded_requests_take_the_sequential_path_with_the_same_cache(runner, cold):
-    """`seed` sends a request down the sequential path (as upstream): its
-    image is prefilled and checkpointed the same way, and what it stores
-    serves a batched request after it."""
+def test_the_sequential_path_prefills_and_stores_images_as_the_batch(runner, cold):
+    """On the sequential path an image is prefilled and checkpointed the
+    same way, and what it stores serves a batched request after it."""
     runner.engine.store.clear()
-    seeded = {"messages": [user(image_part(noise(21)), "What is this?")], "max_tokens": 8,
-              "seed": 7}
-    tokens, _, cached = runner.run(seeded)
-    assert tokens == cold.run({**seeded, "seed": None})[0] and cached == 0
+    plain = {"messages": [user(image_part(noise(21)), "What is this?")], "max_tokens": 8}
+    before = runner.sequential
+    tokens, _, cached = runner.run({**plain, **SEQUENTIAL})
+    assert runner.sequential == before + 1
+    assert tokens == cold.run(plain)[0] and cached == 0
     before = calls(runner)
     other = {"messages": [user(image_part(noise(21)), "Anything else?")], "max_tokens": 8}
     tokens, _, cached = runner.run(other)

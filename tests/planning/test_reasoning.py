@@ -10,6 +10,7 @@ from mlx_lm import load
 from compat.launch import OURS, ServerProcess
 from mlx_lm_plus import patches
 from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS, ThinkingBudget, thinking_budget
+from testkit.engine_harness import SEQUENTIAL
 from tests.planning.test_constraints import prompt_of, run_batch
 
 
@@ -101,8 +102,8 @@ def test_every_protocols_budget_field(server):
     free, content, _ = _reasoning_of(server, 24)
     assert content in ("", None) and free  # never closed: all reasoning
     first_six, _, _ = _reasoning_of(server, 6)
-    for extra in ({"thinking_budget": 6}, {"thinking_budget": 6, "seed": 3}):
-        # (a seed: the sequential path; without: the batch)
+    for extra in ({"thinking_budget": 6}, {"thinking_budget": 6, **SEQUENTIAL}):
+        # (the sequential path; the batch)
         closed, content, usage = _reasoning_of(server, 7, **extra)
         assert closed == first_six and content in ("", None), (extra, closed, content)
         assert usage["completion_tokens"] == 7

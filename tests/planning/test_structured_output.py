@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from compat.launch import OURS, ServerProcess, parse_sse
+from testkit.engine_harness import SEQUENTIAL
 from testkit.schema_corpus import SCHEMAS, UNSUPPORTED
 from tests.planning.test_constraints import FORMATS
 
@@ -664,15 +665,15 @@ def test_thinking_on_with_a_schema(server):
     assert len(shapes) == 6  # (how many of each depends on the fixture's weights)
 
 
-# -- the sequential path (a seed) ----------------------------------------------------------------
+# -- the sequential path (SEQUENTIAL) ----------------------------------------------------------------
 
 
 def test_seeded_response_format(server):
-    """A seed sends the request down the engine's sequential path."""
+    """On the engine's sequential path."""
     names = ["person", "booleans", "refs_defs"]
     for name in names:
         status, r = server.post("/v1/chat/completions", chat_body(
-            f"Give me {name}", 120, seed=1, response_format=schema_format(CORPUS[name])))
+            f"Give me {name}", 120, **SEQUENTIAL, response_format=schema_format(CORPUS[name])))
         assert status == 200, r
         assert r["choices"][0]["finish_reason"] == "stop", r
         validate(r["choices"][0]["message"]["content"], CORPUS[name])
@@ -682,7 +683,7 @@ def test_seeded_forced_tool_call_after_a_cache_hit(server):
     body = chat_body("Use a tool, the seeded one.", 100, tools=TOOLS)
     status, warm = server.post("/v1/chat/completions", {**body, "max_tokens": 2})
     assert status == 200, warm
-    status, r = server.post("/v1/chat/completions", {**body, "seed": 3, "tool_choice": "required"})
+    status, r = server.post("/v1/chat/completions", {**body, **SEQUENTIAL, "tool_choice": "required"})
     assert status == 200, r
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == r["usage"]["prompt_tokens"] - 1
     assert r["choices"][0]["finish_reason"] == "tool_calls", r

@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from compat.launch import ServerProcess
+from testkit.engine_harness import SEQUENTIAL
 
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 REQUESTS = [
     {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 10},
     {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 10,
      "seed": 5},
+    {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 10,
+     **SEQUENTIAL},
     {"prompt": "Once upon a time", "max_tokens": 8},
 ]
 

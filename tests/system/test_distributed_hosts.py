@@ -15,6 +15,7 @@ import pytest
 
 from compat.launch import OURS, ServerProcess
 from testkit import netns
+from testkit.engine_harness import SEQUENTIAL
 from tests.models.test_vision import image_part, png, user
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
@@ -96,7 +97,7 @@ def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, ex
         got = workload(two)
         for n, path in enumerate(["batched", "sequential"], 1):
             body = {"messages": [{"role": "user", "content": f"Long one, {path}."}],
-                    "max_tokens": 2000, "stream": True, **({"seed": 1} if n == 2 else {})}
+                    "max_tokens": 2000, "stream": True, **(SEQUENTIAL if n == 2 else {})}
             req = urllib.request.Request(
                 two.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"})
@@ -123,7 +124,7 @@ def test_two_hosts_answer_as_one_process(hosts, fixture_path, tmp_path, kind, ex
 
 def test_a_client_gone_during_a_prefill_stops_it_on_every_rank(hosts, fixture_path,
                                                                 tmp_path):
-    """A sequential (seeded, with XTC) request with a long prompt, prefilled in small
+    """A request on the sequential path with a long prompt, prefilled in small
     chunks: its client goes during the prefill, and every rank stops it at
     the same chunk (only rank 0 sees the client: they ask it together), then
     goes on serving."""
@@ -132,7 +133,7 @@ def test_a_client_gone_during_a_prefill_stops_it_on_every_rank(hosts, fixture_pa
     with two:
         long = " ".join(f"Line {i} is about rivers and boats." for i in range(200))
         body = {"messages": [{"role": "user", "content": long}], "max_tokens": 8,
-                "stream": True, "seed": 2, "xtc_probability": 0.5, "xtc_threshold": 0.1}
+                "stream": True, **SEQUENTIAL}
         req = urllib.request.Request(two.url + "/v1/chat/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -352,7 +353,7 @@ def test_a_lost_host_ends_the_group(fixture_path, tmp_path, failure, path):
     """Mid-generation, rank 1's process is killed (its peer sees the
     connection drop: mostly at once) or its link is cut (nothing is seen:
     the collective never returns, until --distributed-timeout). The client, on
-    the batched or the sequential (seeded) path, is answered with a 503
+    the batched or the sequential path, is answered with a 503
     naming the reason, /health says it, and the ranks exit with status 70
     (for a supervisor to restart the group)."""
     timeout, grace = 5, 8
@@ -363,7 +364,7 @@ def test_a_lost_host_ends_the_group(fixture_path, tmp_path, failure, path):
         with server:
             result = {}
             thread = long_request(server, result,
-                                  **({"seed": 4} if path == "sequential" else {}))
+                                  **(SEQUENTIAL if path == "sequential" else {}))
             time.sleep(2)  # (generating)
             tic = time.monotonic()
             if failure == "rank killed":

@@ -7,6 +7,7 @@ import aiohttp
 import pytest
 
 from compat.launch import OURS, ServerProcess, parse_sse
+from testkit.engine_harness import SEQUENTIAL
 
 SYSTEM = "You are a helpful assistant. Answer briefly and clearly."
 
@@ -178,11 +179,12 @@ def test_validation_errors_match_upstream(server):
     assert server.get("/health") == (200, {"status": "ok"})
 
 
-def test_seeded_sequential_path_equals_batched_greedy(server):
+@pytest.mark.parametrize("extra", [{"seed": 7}, SEQUENTIAL], ids=["seeded", "sequential"])
+def test_greedy_is_greedy_seeded_or_on_the_sequential_path(server, extra):
     messages = user("What is a good name for a dog?")
     _, batched = chat(server, messages, max_tokens=12)
-    _, seeded = chat(server, messages, max_tokens=12, seed=7)
-    assert seeded["choices"][0]["message"] == batched["choices"][0]["message"]
+    _, other = chat(server, messages, max_tokens=12, **extra)
+    assert other["choices"][0]["message"] == batched["choices"][0]["message"]
 
 
 def test_second_turn_reports_cached_tokens(server):
