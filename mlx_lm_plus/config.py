@@ -67,6 +67,7 @@ OUR_FLAGS = (
     "--max-loaded-models",
     "--model-ttl",
     "--model-load-timeout",
+    "--prompt-lookup-tokens",
 )
 
 # --prompt-cache-disk-bytes when only --prompt-cache-dir is given.
@@ -421,6 +422,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-timeout alone)",
     )
     parser.add_argument(
+        "--prompt-lookup-tokens",
+        type=int,
+        default=0,
+        help="(mlx_lm_plus) Speculative decoding in the batch from each request's "
+        "own tokens: where its last tokens appeared before in its prompt or answer, "
+        "propose up to this many of the tokens that followed, checked by the model "
+        "in one pass (exact: the text is the text without it, at any temperature). "
+        "0: off (default: 0)",
+    )
+    parser.add_argument(
         "--step-timeout",
         type=float,
         default=900.0,
@@ -549,6 +560,8 @@ def parse_args(argv=None) -> "Config":
                      "at least 0")
     if not args.planning_timeout > 0:
         parser.error("--planning-timeout must be more than 0")
+    if not 0 <= args.prompt_lookup_tokens <= 64:
+        parser.error("--prompt-lookup-tokens must be from 0 to 64")
     if args.prompt_cache_bits is not None and args.kv_group_size not in (32, 64, 128):
         parser.error("--prompt-cache-bits needs a --kv-group-size of 32, 64 or 128")
     if args.kv_bits is not None:
@@ -601,6 +614,7 @@ class Config:
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     pipeline: bool = False
+    prompt_lookup_tokens: int = 0
     # -- the prompt cache --
     prompt_cache_ttl: float = 1800.0
     prompt_cache_bits: Optional[int] = None

@@ -70,6 +70,49 @@ BaseCache = _private("mlx_lm.models.cache", "_BaseCache")
 _check_generator_state()
 
 
+# GenerationBatch as engine/speculation.py's subclass steps it (its pending
+# token and logprobs, counts, stop matchers, token contexts), and the
+# BatchKVCache it trims, rolls and strips: the sources of the methods that
+# keep that state, as written for 0.32.2.
+_GENERATION_BATCH_SOURCES = {
+    ("GenerationBatch", "__init__"):
+        "dc828c7f63bfb07f54e78e944b8b82e836f4f5a567754750dfca567bcfda050f",
+    ("GenerationBatch", "next"): "5d2a3d229fba02a9f651477510a7ef3907418cc34c0455e77af285a850b5507f",
+    ("GenerationBatch", "filter"): "27a2165cf672969fa3f443090037da1ebbbc00c73d81acb340398c4beba0d2c4",
+    ("GenerationBatch", "extend"): "4019e7eaf5d6782f85da9081791d06140b8b9c7e44ae8224c43f98fea544ef7b",
+    ("GenerationBatch", "extract_cache"):
+        "2bd85c31aa640057e3bac5b23de1208f98f19a863c939710cabd1411c43b23e3",
+    ("BatchKVCache", "trim"): "6432d5408a453cedfe7a3406815768a9eef7be9ca2068f69c15d6d65545ba199",
+    ("BatchKVCache", "prepare"): "86bc845de708c2746a7f5a3e17ec14666f5d4a4a2b94897c8fe33873cd81e734",
+    ("BatchKVCache", "finalize"): "6f06abded406dab4490dcf9a482b1aa6e31ff3ae2016dcad0400447c3376afaf",
+    ("BatchKVCache", "filter"): "d7a4d2b5a763bc69fbff2b7ab5d2c08d4ebae54ca398b681daa02241b3db7fea",
+    ("BatchKVCache", "update_and_fetch"):
+        "d099a9c8781d7d67b9f3777e2246b0dd67a92937c174cacc29b8a4f27e4f8847",
+}
+_as_written = {}
+
+
+def generation_batch_as_written() -> bool:
+    """Whether GenerationBatch and BatchKVCache keep their state as
+    speculation.py expects (worked out once)."""
+    if "result" not in _as_written:
+        import hashlib
+
+        from mlx_lm.generate import GenerationBatch
+        from mlx_lm.models.cache import BatchKVCache
+
+        owners = {"GenerationBatch": GenerationBatch, "BatchKVCache": BatchKVCache}
+        _as_written["result"] = all(
+            hashlib.sha256(inspect.getsource(getattr(owners[owner], name)).encode())
+            .hexdigest() == sha for (owner, name), sha in _GENERATION_BATCH_SOURCES.items())
+    return _as_written["result"]
+
+
+def generation_batch(generator):
+    """A BatchGenerator's decode batch (one object for its life)."""
+    return generator._generation_batch
+
+
 def queued_caches(generator) -> Iterator[tuple]:
     """(uid, prompt cache) of each request queued in a BatchGenerator and
     not yet in prefill."""

@@ -17,7 +17,8 @@ from mlx_lm_plus.engine.distributed import HANDOFF_STOPPED
 from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
 from mlx_lm_plus.engine.outputs import final_events, token_response
 from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
-from mlx_lm_plus.engine.seeded import SeededSampler
+from mlx_lm_plus.engine import speculation
+from mlx_lm_plus.engine.sampling import SeededSampler
 from mlx_lm_plus.engine.segments import for_batch, prefill_chunk, same_prefix
 from mlx_lm_plus.errors import OutOfMemory, request_error
 from mlx_lm_plus.upstream import (
@@ -44,6 +45,7 @@ class _Batch:
         self.stream = stream
         self.model_key = lm.key
         self.keep_checkpoints = host.facts.keep_checkpoints(lm)
+        self.text_only = lm.processor is None
         self.results: Dict[int, Dict[str, Any]] = {}
         self._outbox = []  # (channel, event) of the step running
         self._samplers = {}  # sampling settings -> sampler (see _sampler)
@@ -80,6 +82,13 @@ class _Batch:
             stream=self.stream,
             **kv,
         )
+        # Prompt lookup (speculation.py): where the KV is plain and one
+        # process decides (under mx.distributed every rank would have to
+        # draw alike), on text models (a vision model's positions are its own).
+        self.lookups = None
+        if (args.prompt_lookup_tokens and generator is BatchGenerator
+                and not self.host.group.is_distributed and self.text_only):
+            self.lookups = speculation.install(self.generator)
 
     @property
     def active(self) -> bool:
@@ -127,6 +136,9 @@ class _Batch:
             stop_sequences=[a.stop_sequences],
             **more,
         )
+        if self.lookups is not None and speculation.proposes_for(a.args, a.budget, a.constraint):
+            self.lookups[uid] = speculation.RowLookup(
+                speculation.RowSampling.of(a.args.sampling), self.host.cli_args.prompt_lookup_tokens)
         a.channel.put(a.ctx)
         self.results[uid] = {
             "ctx": a.ctx,
@@ -210,6 +222,7 @@ class _Batch:
                 self._insert(self._key(uid, tokens), cache, "generated",
                              reply_start=self._reply_start(uid))
             result = self.results.pop(uid, None)
+            self._forget_lookup(uid)
             self._unpark(uid)
             if result is None:
                 continue
@@ -302,9 +315,24 @@ class _Batch:
                 self._outbox += [(result["channel"], event)
                                  for event in final_events(result["constraint"])]
                 host.log_store()
+                self._forget_lookup(r.uid, result)
                 del self.results[r.uid]
                 self._unpark(r.uid)
         return True
+
+    def _forget_lookup(self, uid, result=None):
+        """A row leaves: its proposals' figures go to its request's log."""
+        if self.lookups is None:
+            return
+        lookup = self.lookups.pop(uid, None)
+        figures = speculation.summary(lookup)
+        if figures is not None:
+            counters = self.host.counters
+            counters.lookup_proposed += figures["proposed"]
+            counters.lookup_accepted += figures["accepted"]
+            counters.lookup_steps += figures["verify_steps"]
+            if result is not None:
+                result["ctx"].speculation = figures
 
     def _stored_checkpoint(self, uid, position: int, cache, kind: str):
         """Store request `uid`'s checkpoint at `position` (of its prompt; no

@@ -178,6 +178,13 @@ class Engine:
         return self.counters.tokens_out
 
     @property
+    def prompt_lookup(self) -> Dict[str, int]:
+        """Prompt lookup's figures over finished requests (speculation.py)."""
+        c = self.counters
+        return {"proposed_tokens": c.lookup_proposed, "accepted_tokens": c.lookup_accepted,
+                "verify_steps": c.lookup_steps}
+
+    @property
     def thread_seconds(self) -> Dict[str, float]:
         return self.counters.thread_seconds
 

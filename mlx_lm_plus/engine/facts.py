@@ -6,7 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_plus.cache.layers import is_plain_kv
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
-from mlx_lm_plus.engine.seeded import batches_seeded
+from mlx_lm_plus.engine.sampling import batches_seeded
 from mlx_lm_plus.models.provider import own_vision
 from mlx_lm_plus.upstream import image_parts
 

@@ -17,6 +17,11 @@ class Counters:
     steps: int = 0  # generation steps run, for disconnect measurements
     admitted: int = 0  # requests admitted
     tokens_out: int = 0  # tokens generated
+    # Prompt lookup (speculation.py), of finished rows: tokens proposed,
+    # those the model kept, and the verifying steps they took.
+    lookup_proposed: int = 0
+    lookup_accepted: int = 0
+    lookup_steps: int = 0
     # Seconds: "model" in model steps (BatchGenerator.next, which samples
     # too), "admission" admitting requests (a plan made here when it could
     # not be made before, the store lookup, images through the vision

@@ -54,6 +54,8 @@ class RequestRecord:
     # Why it reused fewer prompt tokens than the prompt cache shares with it
     # (Engine._explain_miss; None: it didn't).
     cache_miss: Optional[Dict[str, Any]] = None
+    # --prompt-lookup-tokens: its proposals (speculation.summary; None: none).
+    speculation: Optional[Dict[str, Any]] = None
 
     @property
     def computed_tokens(self) -> int:
@@ -64,6 +66,15 @@ class RequestRecord:
         if self.prefill_seconds and self.computed_tokens:
             return self.computed_tokens / self.prefill_seconds
         return None
+
+    @property
+    def tokens_per_step(self) -> Optional[float]:
+        """Generated tokens per model step that wrote them, where prompt
+        lookup proposed: each step writes one token and the proposals kept."""
+        if not self.speculation:
+            return None
+        steps = self.generated_tokens - self.speculation["accepted"]
+        return self.generated_tokens / steps if steps > 0 else None
 
     @property
     def decode_tps(self) -> Optional[float]:
@@ -83,6 +94,8 @@ class RequestRecord:
             prefill_tps=_round(self.prefill_tps),
             decode_tps=_round(self.decode_tps),
         )
+        if self.speculation:
+            d["tokens_per_step"] = _round(self.tokens_per_step, 2)
         for k in ("ttft", "prefill_seconds", "decode_seconds", "total_seconds"):
             d[k] = _round(d[k], 4)
         return d
@@ -126,6 +139,17 @@ class _LiveCollector:
             (GaugeMetricFamily, "requests_active",
              "Requests in the batch or being served sequentially", engine.active_requests),
         ]
+        lookup = getattr(engine, "prompt_lookup", None)
+        if lookup is not None:
+            single += [
+                (CounterMetricFamily, "prompt_lookup_proposed_tokens",
+                 "Tokens proposed by prompt lookup (--prompt-lookup-tokens), finished requests",
+                 lookup["proposed_tokens"]),
+                (CounterMetricFamily, "prompt_lookup_accepted_tokens",
+                 "Proposed tokens the model kept", lookup["accepted_tokens"]),
+                (CounterMetricFamily, "prompt_lookup_verify_steps",
+                 "Batch steps that checked a request's proposals", lookup["verify_steps"]),
+            ]
         if m.connections is not None:
             single += [
                 (GaugeMetricFamily, "http_connections", "Open HTTP connections",

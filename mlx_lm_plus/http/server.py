@@ -269,6 +269,8 @@ class Server(Replies, Intake, Completions):
                 # not loaded yet, another was named, or images.
                 "planned_at_admission": getattr(engine, "planned_at_admission", None),
                 "generated_tokens": getattr(engine, "tokens_out", None),
+                # --prompt-lookup-tokens: proposed, kept, the steps that checked.
+                "prompt_lookup": getattr(engine, "prompt_lookup", None),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
                      "receiving_bodies": self.reading,

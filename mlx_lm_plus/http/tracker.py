@@ -41,6 +41,7 @@ class _Tracker:
             r.prompt_tokens = len(self.ctx.prompt)
             r.cached_tokens = self.ctx.prompt_cache_count or 0
             r.images = getattr(self.ctx, "images", 0)
+            r.speculation = getattr(self.ctx, "speculation", None)
             r.cache_miss = _with_message(getattr(self.ctx, "cache_miss", None), self.messages,
                                          self.miss_text)
         if self.assembler is not None:

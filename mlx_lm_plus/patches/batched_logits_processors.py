@@ -30,7 +30,7 @@ from mlx_lm.generate import GenerationBatch
 from ._guard import Patch
 
 
-def _process(batch, inputs: mx.array, logits: mx.array) -> Tuple[mx.array, List[mx.array]]:
+def process_rows(batch, inputs: mx.array, logits: mx.array) -> Tuple[mx.array, List[mx.array]]:
     """Upstream's per-row loop, with batched processors taken out of it."""
     token_context = []
     grouped = {}  # processor type -> [(row, processor)]
@@ -86,7 +86,7 @@ def _step(self) -> Tuple[List[int], List[mx.array]]:
     # Logits processors (the one change: see the module doc)
     token_context = []
     if any(self.logits_processors):
-        logits, token_context = _process(self, inputs, logits)
+        logits, token_context = process_rows(self, inputs, logits)
 
     # Normalize the logits
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -1,0 +1,566 @@
+"""Speculative decoding inside the batch, from the row's own tokens
+(prompt lookup, `--prompt-lookup-tokens`).
+
+Agents and editors re-emit long stretches of their context (a file with a
+few lines changed, tool arguments, quotes). Where a row's last few tokens
+appeared before in its prompt or its answer, the tokens that followed them
+then are proposed as its next ones; the model checks every row's proposals
+in one forward pass (the row's pending token and its proposals, k+1
+positions), and each row keeps the prefix it accepts plus one token of the
+model's own. A step where no row has a proposal is upstream's step, as is.
+
+Exactness, per row:
+- Greedy: a proposal is kept while it equals the model's argmax there, so
+  the text is the text without speculation (up to float rounding of a k+1
+  token call against k+1 one-token calls, as upstream's own speculation).
+- Sampling: a proposal d is a draw from a point mass, so it is kept with
+  probability p(d) and, at the first one not kept, the token is drawn from p
+  with d taken out and renormalized (the residual max(0, p - q) of
+  speculative sampling for that q); p is the row's own distribution after
+  its top_p / min_p / top_k filters and temperature, as make_sampler draws.
+  The tokens are then distributed as without speculation.
+- The KV of rejected positions is dropped per row (SpeculativeGenerationBatch
+  ._drop): every row is trimmed alike, then rows that kept more carry what
+  they lost to the next step or rows that rejected more are rolled into
+  their left padding (what BatchKVCache.finalize does for right-padded
+  prompts), whichever has cost less.
+
+Rows that do not propose (in this version): rows with a grammar or a
+thinking budget (processors that keep state from call to call: they would
+have to unsee rejected tokens), seeded rows (their draws follow upstream's
+seeded text) and XTC; and no row of a model whose every layer is not a
+plain BatchKVCache (hybrid state, sliding windows, quantized KV: not rolled
+back here), of a vision model, or under mx.distributed. Rows that do not
+propose still share a verifying step: position 0 is theirs, processed and
+sampled as the plain step does (patches/batched_logits_processors.py's
+process_rows, then the row's sampler), the rest of their KV dropped.
+
+Written against mlx-lm 0.32.2's GenerationBatch (its pending token, counts
+and matchers): on another version (upstream.generation_batch_as_written)
+the flag is off, with a warning.
+
+Proposal length adapts per row (one more than it last kept, up to the
+flag) and per step (widest_paying: as many as give the most tokens a second
+by the batch's measured step cost, StepCost); a row whose lookups find
+nothing or whose proposals keep failing waits a growing number of steps
+before it looks again, so text with nothing to copy pays almost nothing.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from mlx_lm_plus.engine.sampling import RowSampling
+from mlx_lm_plus.logs import warn_once
+from mlx_lm_plus.upstream import (WRITTEN_FOR, generation_batch, generation_batch_as_written,
+                                  mlx_lm_version)
+from mlx_lm_plus.patches.batched_logits_processors import process_rows
+
+NGRAM_MAX = 4  # the longest suffix a match is scored on (two at least)
+CANDIDATES = 64  # earlier places of the last two tokens compared, latest first
+CARRY_MAX = 8  # tokens a row may carry to the next step (see _verify)
+# Most positions (rows x width) one checking step computes: its logits are
+# positions x vocabulary floats (512 x 152k: 311 MB), not in any budget.
+MAX_POSITIONS = 512
+MAX_BACKOFF = 16  # steps a row waits, at most, after proposals that failed
+UNPAID_WAIT = 4  # steps a row waits after proposals not worth checking
+
+
+@dataclass
+class RowLookup:
+    """A speculating row: its tokens (as growing arrays, searched for its
+    own suffix), its proposal length and what it has proposed and kept."""
+    sampling: RowSampling
+    max_tokens: int  # the flag's cap on proposals per step
+    length: int = 0  # its current proposal length
+    wait: int = 0  # steps to skip proposing (after failures, or no match)
+    failures: int = 0  # steps in a row where nothing was accepted
+    misses: int = 0  # lookups in a row that found nothing
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0  # verifying steps it proposed in
+    # Recent proposals kept and checked (a proposal is checked when all
+    # before it were kept), older steps weighing less: its acceptance rate.
+    _kept: float = 1.0
+    _checked: float = 2.0
+    # The row's tokens, and each pair of neighbours as one number (so that
+    # one comparison over the row finds every earlier place of its last two
+    # tokens: a 100,000-token row in well under a millisecond).
+    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _size: int = 0
+
+    def __post_init__(self):
+        self.length = self.max_tokens
+
+    def _sync(self, tokens: List[int], tail: int):
+        """Append what the row's tokens gained since the last call (a row's
+        tokens only grow while it is in the batch), with room for `tail`
+        more."""
+        n = len(tokens)
+        if n < self._size:  # (never expected; start over rather than lie)
+            self._size = 0
+        if n + tail > len(self._tokens):
+            room = max(n + tail, 2 * len(self._tokens), 256)
+            self._tokens = np.resize(self._tokens, room)
+            self._pairs = np.resize(self._pairs, room)
+        if n > self._size:
+            start = self._size
+            self._tokens[start:n] = tokens[start:n]
+            first = max(0, start - 1)
+            self._pairs[first:n - 1] = _pair(self._tokens[first:n - 1], self._tokens[first + 1:n])
+            self._size = n
+
+    def propose(self, tokens: List[int], tail: List[int], room: int) -> List[int]:
+        """The tokens that followed an earlier place of the row's last two
+        known tokens (`tokens`, those in its KV, then `tail`, those it
+        carries): a guess at its pending token (sampled, not yet read: the
+        step that computed it may still be running), then up to
+        min(length, room) proposals after it. Of the latest CANDIDATES such
+        places, the one whose match runs back furthest (up to NGRAM_MAX
+        tokens), the latest on a tie."""
+        k = min(self.length, room) + 1
+        n, total = len(tokens), len(tokens) + len(tail)
+        if k <= 0 or n < 1 or total < 3:
+            return []
+        self._sync(tokens, len(tail))
+        h, pairs = self._tokens, self._pairs
+        # (The tail and its pairs after the row's own, until the next sync.)
+        h[n:total] = tail
+        pairs[n - 1:total - 1] = _pair(h[n - 1:total - 1], h[n:total])
+        found = np.flatnonzero(pairs[:total - 2] == pairs[total - 2])
+        if not len(found):
+            self.misses += 1
+            self.wait = min(MAX_BACKOFF, self.misses)
+            return []
+        self.misses = 0
+        best, best_run = None, -1
+        for j in found[-CANDIDATES:][::-1].tolist():
+            run = 0
+            while (run < NGRAM_MAX - 2 and j - 1 - run >= 0
+                   and h[j - 1 - run] == h[total - 3 - run]):
+                run += 1
+            if run > best_run:
+                best, best_run = j, run
+        start = best + 2  # (at most total - 1)
+        return h[start:min(total, start + k)].tolist()
+
+    def ready(self) -> bool:
+        """Whether it looks this step (else one step less to wait)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def rates(self, k: int) -> List[float]:
+        """The chance that each of k proposals is kept (each with its rate,
+        while all before it were)."""
+        rate = self._kept / self._checked
+        return [rate ** j for j in range(1, k + 1)]
+
+    def verified(self, proposed: int, accepted: int):
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self._kept = 0.8 * self._kept + accepted
+        self._checked = 0.8 * self._checked + min(accepted + 1, proposed)
+        self.length = max(1, min(self.max_tokens, accepted + 1))
+        if accepted == 0:
+            self.failures += 1
+            self.wait = min(MAX_BACKOFF, 2 ** (self.failures - 1) - 1)
+        else:
+            self.failures = 0
+
+
+def _pair(first, second):
+    """Two neighbouring tokens as one number (token ids are under 2**31)."""
+    return (np.asarray(first, np.int64) << 32) | np.asarray(second, np.int64)
+
+
+def proposes_for(args, budget, constraint) -> bool:
+    """Whether a request's row proposes: not seeded, no XTC, and of logits
+    processors only upstream's (penalties, logit_bias: functions of the
+    context they are handed), not a thinking budget's or a grammar's, which
+    keep state from call to call and can't unsee a rejected token."""
+    s = args.sampling
+    return (args.seed is None and s.xtc_probability <= 0 and budget is None
+            and constraint is None)
+
+
+class StepCost:
+    """Seconds a decode step of P positions (rows x tokens each) takes,
+    a + b * P, fitted by least squares to recent steps (each older step
+    weighing FORGET as much). On a GPU b is near 0 (a step reads the
+    weights whatever P); on a CPU each position costs its share, and
+    checking proposals pays only when enough of them are kept. Until steps
+    of two sizes were seen it predicts the same time for any P (so proposals
+    get tried, and their cost seen)."""
+
+    FORGET = 0.95
+
+    def __init__(self):
+        self._sums = [0.0] * 5  # weight, P, P^2, t, P*t
+
+    def observe(self, positions: int, seconds: float):
+        f = self.FORGET
+        w, p, pp, t, pt = self._sums
+        self._sums = [f * w + 1, f * p + positions, f * pp + positions * positions,
+                      f * t + seconds, f * pt + positions * seconds]
+
+    @property
+    def seen(self) -> bool:
+        return self._sums[0] > 0
+
+    def slope(self) -> float:
+        """Seconds per position (0 until steps of two sizes were seen)."""
+        w, p, pp, t, pt = self._sums
+        spread = w * pp - p * p
+        if w == 0 or spread <= 1e-9 * max(1.0, w * pp):
+            return 0.0
+        return max(0.0, (w * pt - p * t) / spread)
+
+    def predict(self, positions: int) -> float:
+        w, p, _, t, _ = self._sums
+        if w == 0:
+            return 1.0
+        b = self.slope()
+        return max(1e-6, (t - b * p) / w) + b * positions
+
+
+def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[int],
+                  cost: StepCost) -> int:
+    """How many proposals a row may check this step (each row's own, cut to
+    that), for the most tokens a second: row i feeds fed[i] tokens before
+    its proposals (what it carries and its pending token) and writes one
+    token more than it keeps; 0 when checking none is best."""
+    count = len(proposals)
+    # (Each row's expected kept tokens for every width, once: O(rows x k).)
+    kept = [np.cumsum([0.0] + r.rates(len(p))) if r is not None and p else np.zeros(1)
+            for r, p in zip(rows, proposals)]
+    widest = min(max(map(len, proposals)), MAX_POSITIONS // count - max(fed))
+    best, best_rate = 0, -1.0
+    for width in range(max(0, widest) + 1):
+        tokens = count + sum(k[min(width, len(k) - 1)] for k in kept)
+        feeds = max(f + min(width, len(p)) for f, p in zip(fed, proposals))
+        rate = tokens / cost.predict(count * feeds)
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
+
+
+def _strip_shared_padding(c):
+    """Drop the left padding every row of a BatchKVCache has (as its filter
+    does when a row leaves): rolled rows' padding would otherwise only grow,
+    and the KV, its attention and its bytes with it."""
+    shared = int(mx.min(c.left_padding).item())
+    if shared > 0:
+        c.keys = c.keys[..., shared:, :]
+        c.values = c.values[..., shared:, :]
+        c._idx -= shared
+        c.left_padding = c.left_padding - shared
+
+
+def speculates(prompt_cache) -> bool:
+    """Whether a batch's layers can be rolled back per row here: plain
+    BatchKVCache only."""
+    return bool(prompt_cache) and all(type(c) is BatchKVCache for c in prompt_cache)
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """GenerationBatch whose rows may propose tokens (`lookups`: uid ->
+    RowLookup, set by the batch runner); see the module's docstring.
+
+    `carried` (uid -> tokens): tokens a row has written (and handed out)
+    whose KV was dropped with the positions other rows rejected; the next
+    step feeds them again, before the row's pending token. `self.tokens`
+    keeps upstream's meaning: the tokens in a row's KV."""
+
+    lookups: Dict[int, RowLookup]
+    carried: Dict[int, List[int]]
+
+    def next(self):
+        if not self.uids or not self.lookups or not speculates(self.prompt_cache):
+            return super().next()
+        tic = time.perf_counter()
+        lookups = [self.lookups.get(uid) for uid in self.uids]
+        looking = [lookup is not None and lookup.ready() for lookup in lookups]
+        if not any(looking) and not self.carried:
+            # (Upstream's step, its next token computed while this returns:
+            # the pending tokens are not waited for.)
+            responses = super().next()
+            self.cost.observe(len(self.uids), time.perf_counter() - tic)
+            return responses
+        # (Proposals come from the known tokens, the pending one guessed: its
+        # step may still be running, and is not waited for here. A wrong
+        # guess costs only proposals rejected: each is checked against the
+        # model's own token after the real pending one.)
+        proposals = []
+        for i, (uid, lookup) in enumerate(zip(self.uids, lookups)):
+            if not looking[i]:
+                proposals.append([])
+                continue
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            following = lookup.propose(self.tokens[i], self.carried.get(uid, []), room)
+            proposals.append(following[1:])
+        if any(proposals):
+            fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
+            width = widest_paying(lookups, proposals, fed, self.cost)
+            if width == 0:  # (not worth it now: look again in a few steps)
+                for lookup, p in zip(lookups, proposals):
+                    if p:
+                        lookup.wait = max(lookup.wait, UNPAID_WAIT)
+            proposals = [p[:width] for p in proposals]
+        if not any(proposals) and not self.carried:
+            responses = super().next()
+            self.cost.observe(len(self.uids), time.perf_counter() - tic)
+            return responses
+        positions = len(self.uids) * max(len(self.carried.get(uid, ())) + 1 + len(p)
+                                         for uid, p in zip(self.uids, proposals))
+        responses = self._verify(proposals)
+        self.cost.observe(positions, time.perf_counter() - tic)
+        return responses
+
+    def _verify(self, proposals: List[List[int]]):
+        rows = len(self.uids)
+        carried = [self.carried.get(uid, []) for uid in self.uids]
+        # Row i's input: what it carries, its pending token (at position
+        # at[i], put in from the array that holds it), its proposals; padded
+        # to one width (the padding's positions are dropped).
+        fed = [c + [0] + p for c, p in zip(carried, proposals)]
+        width = max(map(len, fed))
+        at = [len(c) for c in carried]
+        known = mx.array([f + [0] * (width - len(f)) for f in fed], dtype=mx.uint32)
+        is_pending = mx.arange(width)[None, :] == mx.array(at)[:, None]
+        inputs = mx.where(is_pending, self._next_tokens[:, None].astype(mx.uint32), known)
+        logits = self.model(inputs, cache=self.prompt_cache)
+        pending = self._next_tokens.tolist()
+        at_pending = mx.array(at)[:, None, None]
+        pending_logits = mx.take_along_axis(logits, at_pending, axis=1)[:, 0, :]
+
+        # At each row's pending token, as the plain step runs it: its logits
+        # processors (patches/batched_logits_processors.py's process_rows,
+        # which also feeds the pending token to each row's token context),
+        # then, for rows not proposing, the row's sampler (rows sharing a
+        # sampler in one call).
+        if any(self.logits_processors):
+            pending_logits, contexts = process_rows(self, self._next_tokens, pending_logits)
+        else:
+            contexts = []
+        first = pending_logits - mx.logsumexp(pending_logits, axis=-1, keepdims=True)
+        plain = [i for i in range(rows) if not proposals[i]]
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * rows)]
+        plain_next = {}
+        by_sampler: Dict[int, List[int]] = {}
+        for i in plain:
+            by_sampler.setdefault(id(samplers[i]), []).append(i)
+        for members in by_sampler.values():
+            drawn = samplers[members[0]](first[mx.array(members)])
+            for i, token in zip(members, drawn):
+                plain_next[i] = token
+
+        # A proposing row's logprobs at its pending token and each proposal.
+        # Its processors (penalties, logit_bias: functions of the tokens
+        # before a position, nothing kept between calls; proposes_for) see at
+        # position j the pending token and the j proposals before it.
+        row_logprobs = {}
+        for i, p in enumerate(proposals):
+            if not p:
+                continue
+            processors = self.logits_processors[i] if self.logits_processors else None
+            after = logits[i, at[i] + 1:at[i] + 1 + len(p), :]
+            if processors:
+                context = self._token_context[i].update_and_fetch(mx.array([], mx.int32))
+                rows_after = []
+                for j in range(len(p)):
+                    seen = mx.concatenate([context, mx.array(p[:j + 1], context.dtype)])
+                    row = after[j:j + 1]
+                    for processor in processors:
+                        row = processor(seen, row)
+                    rows_after.append(row)
+                after = mx.concatenate(rows_after, axis=0)
+            after = after - mx.logsumexp(after, axis=-1, keepdims=True)
+            row_logprobs[i] = mx.concatenate([first[i:i + 1], after], axis=0)
+        checks = {i: self._check(self.lookups[self.uids[i]].sampling, lp, proposals[i])
+                  for i, lp in row_logprobs.items()}
+        mx.eval(first, list(plain_next.values()), contexts,
+                [v for c in checks.values() for v in c.values()])
+
+        next_tokens, next_logprobs, emitted, valid = [], [], [], []
+        for i in range(rows):
+            p = proposals[i]
+            if not p:
+                kept, token, lp = 0, plain_next[i], first[i]
+                logprobs = [self._next_logprobs[i]]
+            else:
+                kept, token = self._outcome(checks[i], p)
+                lp = row_logprobs[i][kept]
+                logprobs = [self._next_logprobs[i]] + [row_logprobs[i][j] for j in range(kept)]
+                self.lookups[self.uids[i]].verified(len(p), kept)
+                if kept and self.logits_processors and self.logits_processors[i]:
+                    # (The pending token is in already, from process_rows.)
+                    self._token_context[i].update_and_fetch(mx.array(p[:kept], mx.int32))
+            emitted.append(([pending[i]] + p[:kept], logprobs))
+            valid.append(carried[i] + [pending[i]] + p[:kept])
+            next_tokens.append(token)
+            next_logprobs.append(lp)
+
+        # Rows rejected different numbers of positions. Every row's KV is
+        # trimmed by `drop` (no copy); a row that rejected fewer loses some
+        # of what it kept, fed again next step (carried, at most CARRY_MAX:
+        # each costs a position of every row next step); a row that
+        # rejected more has the rest rolled into its left padding (masked,
+        # overwritten later: a copy of the batch's KV, so only past
+        # CARRY_MAX).
+        rejected = [width - len(v) for v in valid]
+        drop = self._drop(rejected)
+        rolled = [max(0, r - drop) for r in rejected]
+        for c in self.prompt_cache:
+            if drop:
+                c.trim(drop)
+        if any(rolled):
+            tic = time.perf_counter()
+            held = rows * self.prompt_cache[0].size()
+            for c in self.prompt_cache:
+                # (BatchKVCache.finalize rolls right-padded rows into their
+                # left padding: the same move, for positions written.)
+                c.prepare(right_padding=rolled)
+                c.finalize()
+                _strip_shared_padding(c)
+            mx.eval([(c.keys, c.values) for c in self.prompt_cache])
+            self.roll_cost.observe(held, time.perf_counter() - tic)
+        self.carried = {}
+        for i, tokens in enumerate(valid):
+            stays = len(tokens) - max(0, drop - rejected[i])
+            self.tokens[i].extend(tokens[:stays])
+            if stays < len(tokens):
+                self.carried[self.uids[i]] = tokens[stays:]
+        self._next_tokens = mx.array([int(t.item()) if isinstance(t, mx.array) else int(t)
+                                      for t in next_tokens], dtype=mx.uint32)
+        self._next_logprobs = next_logprobs
+        self._current_tokens = mx.array([e[0][-1] for e in emitted], dtype=mx.uint32)
+        return self._finish(emitted)
+
+    def _drop(self, rejected: List[int]) -> int:
+        """Positions to trim from every row: as many as the row that kept
+        most rejected (the others' extra kept tokens carried: positions of
+        every row next step) or as the one that kept least (rows that
+        rejected more rolled: a copy of the batch's KV), whichever costs
+        less by what such steps took (a roll first, to learn its cost)."""
+        least, most = min(rejected), max(rejected)
+        # (Not twice in a row: a row that carries feeds its carried tokens
+        # and proposals next step, and carrying again would only grow that.)
+        if most == least or most - least > CARRY_MAX or self.carried:
+            return least
+        rows = len(rejected)
+        carry = self.cost.slope() * rows * (most - least)
+        roll = self.roll_cost.predict(rows * self.prompt_cache[0].size()) \
+            if self.roll_cost.seen else 0.0
+        return most if carry < roll else least
+
+    @staticmethod
+    def _check(sampling: RowSampling, logprobs: mx.array, proposal: List[int]):
+        """The arrays that decide a row (one eval for the whole batch)."""
+        if sampling.temperature == 0:
+            return {"argmax": mx.argmax(logprobs, axis=-1)}
+        # (float32: in bfloat16 an acceptance probability has 8 bits.)
+        weights = sampling.log_weights(logprobs.astype(mx.float32))  # (k+1, V)
+        probs = mx.softmax(weights, axis=-1)
+        drafted = mx.array(proposal)
+        k = len(proposal)
+        p_draft = mx.take_along_axis(probs[:k], drafted[:, None], axis=-1)[:, 0]
+        # The residual at each position: the proposal taken out.
+        taken_out = mx.put_along_axis(weights[:k], drafted[:, None],
+                                      mx.array(-mx.inf, dtype=weights.dtype), axis=-1)
+        return {"p_draft": p_draft, "u": mx.random.uniform(shape=(k,)),
+                "residual": mx.random.categorical(taken_out),
+                "bonus": mx.random.categorical(weights[k:k + 1])[0]}
+
+    @staticmethod
+    def _outcome(check, proposal: List[int]):
+        """(proposals kept, the row's next token)."""
+        if "argmax" in check:
+            targets = check["argmax"].tolist()
+            kept = 0
+            while kept < len(proposal) and proposal[kept] == targets[kept]:
+                kept += 1
+            return kept, targets[kept]
+        p_draft, u = check["p_draft"].tolist(), check["u"].tolist()
+        for j in range(len(proposal)):
+            if u[j] >= p_draft[j]:
+                return j, check["residual"].tolist()[j]
+        return len(proposal), check["bonus"].item()
+
+    def _finish(self, emitted):
+        """Upstream's next() for several tokens a row: count, stop, finish.
+        A row that stops before its last token of the step hands back its
+        KV without the tokens after the stop (those carried are dropped;
+        the rest trimmed); one whose stop token was carried hands back the
+        KV it has (shorter: its stored entry covers less)."""
+        keep, responses = [], []
+        for i, (tokens, logprobs) in enumerate(emitted):
+            finish_reason, n = None, 0
+            for n, token in enumerate(tokens, 1):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish_reason = "length"
+                if self._matchers[i].advance(token):
+                    finish_reason = "stop"
+                if finish_reason is not None:
+                    break
+                responses.append(self.Response(self.uids[i], token, logprobs[n - 1],
+                                               None, None, None))
+            if finish_reason is None:
+                keep.append(i)
+                continue
+            uid = self.uids[i]
+            if len(tokens) > n and uid in self.lookups:
+                # (Kept past the stop: not handed out, not counted kept.)
+                self.lookups[uid].accepted -= len(tokens) - n
+            extra = max(0, len(tokens) - n - len(self.carried.pop(uid, ())))
+            cache = self.extract_cache(i)
+            if extra:
+                del self.tokens[i][-extra:]
+                for c in cache:
+                    c.trim(extra)
+            responses.append(self.Response(self.uids[i], tokens[n - 1], logprobs[n - 1],
+                                           finish_reason, cache, self.tokens[i]))
+        if len(keep) < len(self.uids):
+            self.filter(keep)  # (the runner forgets a finished row's lookup)
+        return responses
+
+    def filter(self, keep: List[int]):
+        super().filter(keep)
+        if self.carried:  # (rows that left: finished, or removed by the runner)
+            live = set(self.uids)
+            self.carried = {u: t for u, t in self.carried.items() if u in live}
+
+
+def install(generator) -> Optional[Dict[int, RowLookup]]:
+    """Make `generator`'s decode batch a speculating one; returns its
+    uid -> RowLookup map for the runner to fill (None, and a warning once,
+    where mlx-lm's GenerationBatch is not the one this was written for)."""
+    if not generation_batch_as_written():
+        warn_once("prompt lookup", (
+            f"--prompt-lookup-tokens is off: mlx-lm {mlx_lm_version()}'s GenerationBatch "
+            f"is not the one it was written for ({WRITTEN_FOR})"))
+        return None
+    batch = generation_batch(generator)
+    batch.__class__ = SpeculativeGenerationBatch
+    batch.lookups, batch.carried = {}, {}
+    batch.cost, batch.roll_cost = StepCost(), StepCost()
+    return batch.lookups
+
+
+def summary(lookup: Optional[RowLookup]) -> Optional[dict]:
+    """A row's figures for its request's log line and usage."""
+    if lookup is None or not lookup.steps:
+        return None
+    return {"proposed": lookup.proposed, "accepted": lookup.accepted,
+            "verify_steps": lookup.steps,
+            "acceptance": round(lookup.accepted / max(1, lookup.proposed), 3)}

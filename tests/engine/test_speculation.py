@@ -1,0 +1,434 @@
+"""Prompt lookup in the batch (engine/speculation.py): proposals checked in
+one pass, each row keeping what the model would have written, and the KV of
+what it rejected gone.
+
+Random-weight fixtures rarely repeat themselves, so most tests propose from
+an oracle: the row's true continuation (from a run without speculation),
+with tokens corrupted at random. Rows then keep long prefixes and reject at
+varied positions in the same step, which is what the rollback must get
+right: a position of rejected KV left behind changes every later token of
+these context-sensitive fixtures."""
+
+import random
+import time
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.server import Response
+
+from mlx_lm_plus.engine import speculation
+from testkit.engine_harness import EngineRunner
+
+LOOKUP = ["--prompt-lookup-tokens", "5"]
+# The chi-square distribution's 0.999 quantile, by degrees of freedom 1..20.
+CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26,
+            32.91, 34.53, 36.12, 37.70, 39.25, 40.79, 42.31, 43.82, 45.31]
+
+
+def chi2_statistic(table: np.ndarray) -> float:
+    """Pearson's statistic of a contingency table (rows: samples)."""
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float((((table - expected) ** 2) / expected).sum())
+
+
+def chat(text, **kw):
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+def run(runner, bodies):
+    """Each request's (tokens, logprobs of those tokens, prompt tokens)."""
+    channels = [runner.submit(b) for b in bodies]
+    out = []
+    for channel in channels:
+        tokens, logprobs, ctx = [], [], None
+        while (item := channel.items.get(timeout=120)) is not None:
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Response):
+                tokens.append(item.token)
+                logprobs.append(item.logprob)
+            elif not isinstance(item, tuple):
+                ctx = item
+        out.append((tokens, logprobs, list(ctx.prompt)))
+    return out
+
+
+class Oracle:
+    """Proposes each row's reference continuation (the guess at its pending
+    token, then proposals), a token in `corrupt` of them changed (so rows
+    reject at varied places)."""
+
+    def __init__(self, references, corrupt=0.35, seed=0):
+        self.references = [p + t for t, _, p in references]
+        self.corrupt, self.random = corrupt, random.Random(seed)
+        self.calls = 0
+
+    def propose(self, lookup, tokens, tail, room):
+        known = list(tokens) + list(tail)
+        for ref in self.references:
+            if ref[:len(known)] == known:
+                k = min(lookup.length, room)
+                following = ref[len(known):len(known) + k + 1]
+                if len(following) > 1 and self.random.random() < self.corrupt:
+                    j = self.random.randrange(1, len(following))
+                    following[j] = (following[j] + 1) % 500
+                self.calls += len(following) > 1
+                return following
+        return []
+
+
+MIXED = [
+    chat("Tell me about rivers and boats.", max_tokens=40),
+    chat("A long walk in the hills, told slowly.", max_tokens=60),
+    chat("Count the stations on the line.", max_tokens=35, repetition_penalty=1.3),
+    chat("Name three trees.", max_tokens=25, logit_bias={"7": 3.0}),
+    chat("What is in the box?", max_tokens=50, temperature=0.0),
+    chat("Give me JSON about a city.", max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}},
+            "required": ["name"]}}}),
+    chat("Sing a song of the sea.", max_tokens=45, presence_penalty=0.5),
+    chat("One more about the rain, please.", max_tokens=55),
+]
+
+
+def forced(monkeypatch, drop=None):
+    """Check every proposal (a step's cost taken as the same whatever its
+    width: the widths then don't hang on this machine's timings) and, with
+    `drop`, always carry (within CARRY_MAX) or always roll."""
+    monkeypatch.setattr(speculation.StepCost, "predict", lambda self, positions: 1.0)
+    if drop == "carry":
+        monkeypatch.setattr(
+            speculation.SpeculativeGenerationBatch, "_drop",
+            lambda self, r: max(r) if max(r) - min(r) <= speculation.CARRY_MAX else min(r))
+    elif drop == "roll":
+        monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_drop",
+                            lambda self, r: min(r))
+
+
+@pytest.fixture(scope="module")
+def pair(fixture_path):
+    off = EngineRunner(fixture_path("qwen3"))
+    on = EngineRunner(fixture_path("qwen3"), argv=LOOKUP)
+    yield off, on
+    off.close()
+    on.close()
+
+
+@pytest.mark.parametrize("together,drop", [(1, None), (8, None), (8, "carry"), (8, "roll")])
+def test_greedy_text_and_logprobs_are_those_without_it(pair, monkeypatch, together, drop):
+    """Alone and eight at a time, rows with penalties, logit_bias and a
+    schema beside rows that propose: the same tokens, the same logprobs (to
+    float rounding of a wider call), and the proposals really were checked,
+    kept and rejected. Rows that rejected different numbers of positions
+    have them dropped as _drop chooses, or always by carrying, or always by
+    rolling."""
+    off, on = pair
+    forced(monkeypatch, drop)
+    bodies = MIXED[:together]
+    reference = run(off, bodies)
+    oracle = Oracle(reference)
+    monkeypatch.setattr(speculation.RowLookup, "propose",
+                        lambda self, *a: oracle.propose(self, *a))
+    before = (on.engine.counters.lookup_proposed, on.engine.counters.lookup_accepted)
+    got = run(on, bodies)
+    for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
+        assert tokens == want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+    proposed = on.engine.counters.lookup_proposed - before[0]
+    accepted = on.engine.counters.lookup_accepted - before[1]
+    assert oracle.calls > 3 and 0 < accepted < proposed, (proposed, accepted)
+
+
+@pytest.mark.parametrize("beside", [None, "carry", "roll"])
+def test_a_row_that_stops_inside_its_kept_tokens_hands_back_only_its_own(
+        pair, monkeypatch, beside):
+    """A stop word met in the middle of a kept run: the reply ends there,
+    the entry it stores holds its tokens' KV and no more, and a follow-up
+    resuming it writes what a run without speculation writes. Beside a row
+    whose proposals all fail, the tokens it kept past what that row kept
+    are carried to the next step (their KV dropped), the stop among them
+    or not (the entry then holds what its KV has), or that row's rejected
+    positions are rolled into its padding (the two ways _drop chooses
+    between)."""
+    off, on = pair
+    tokenizer = on.loaded.tokenizer
+    body = chat("Stop me in the middle of a run.", max_tokens=40)
+    (free, _, prompt), = run(off, [body])
+    # A token of the answer that is a word of its own, first seen there.
+    at = next(i for i in range(9, 30) if free[i] not in free[:i]
+              and tokenizer.encode(tokenizer.decode([free[i]]), add_special_tokens=False)
+              == [free[i]])
+    body["stop"] = [tokenizer.decode([free[at]])]
+    (reference, _, _), = run(off, [body])
+    assert reference == free[:at + 1]
+    # Proposals run on past the stop word (the answer without it).
+    oracle = Oracle([(free, None, prompt)], corrupt=0.0)
+    other = chat("Keep nothing of what I propose.", max_tokens=30)
+
+    def propose(self, tokens, tail, room):
+        if list(tokens[:len(prompt)]) == prompt:
+            return oracle.propose(self, tokens, tail, room)
+        return [0] + [(tokens[-1] + 1) % 500] * min(3, room)  # (rejected, nearly always)
+
+    monkeypatch.setattr(speculation.RowLookup, "propose", propose)
+    carried = []
+    real_finish = speculation.SpeculativeGenerationBatch._finish
+
+    def finish(self, emitted):
+        carried.append(bool(self.carried))
+        return real_finish(self, emitted)
+
+    monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_finish", finish)
+    forced(monkeypatch, beside)
+    kept_past_the_stop = []
+    real_outcome = speculation.SpeculativeGenerationBatch._outcome
+
+    def outcome(check, proposal):
+        kept, token = real_outcome(check, proposal)
+        kept_past_the_stop.append(free[at] in proposal[:kept - 1])
+        return kept, token
+
+    monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_outcome",
+                        staticmethod(outcome))
+    on.store.clear()
+    got, *rest = run(on, [body] + ([other] if beside else []))
+    assert got[0] == reference and any(kept_past_the_stop)
+    assert any(carried) == (beside == "carry")
+    (entry,) = [e for e in on.store.entries() if e.kind == "generated"
+                and list(e.key[:len(prompt)]) == prompt]
+    key = list(entry.key)
+    assert key == (prompt + reference)[:len(key)] and len(key) >= len(prompt) + at + 1 - speculation.CARRY_MAX
+    if not beside:
+        assert key == prompt + reference
+    assert all(layer.offset == len(key) for layer in on.store.stored_cache(entry))
+    if beside:
+        (want, _, _), = run(off, [other])
+        assert rest[0][0] == want
+    monkeypatch.undo()
+    follow = {"messages": body["messages"] + [
+        {"role": "assistant", "content": tokenizer.decode(reference[:-1])},
+        {"role": "user", "content": "And then?"}], "max_tokens": 12}
+    tokens, _, cached = on.run(follow)
+    assert cached > 0 and tokens == off.run(follow)[0]
+
+
+def test_lookup_finds_the_continuation_of_the_latest_earlier_occurrence():
+    lookup = speculation.RowLookup(speculation.RowSampling(0.0), max_tokens=4)
+    tokens = [5, 1, 2, 3, 9, 9, 7, 1, 2, 3, 8, 6, 0, 1, 2]
+    # The suffix (1, 2, 3) last occurred at 7..9: 8, 6, 0, 1 followed.
+    # A guess at the pending token (8), then up to four proposals.
+    assert lookup.propose(tokens, [3], room=10) == [8, 6, 0, 1, 2]
+    assert lookup.propose(tokens, [3], room=2) == [8, 6, 0]
+    assert lookup.propose(tokens, [3, 4], room=10) == []  # (3, 4) never seen before
+    assert lookup.wait == 1  # (a miss: it skips a step, more after more misses)
+    assert not lookup.ready() and lookup.ready()
+    assert lookup.propose(tokens, [3], room=10) == [8, 6, 0, 1, 2] and lookup.misses == 0
+    # A match that runs back further wins over a later one: (0, 1, 2, 3)
+    # at 1..4 against (9, 2, 3) at 7..9.
+    other = speculation.RowLookup(speculation.RowSampling(0.0), max_tokens=3)
+    assert other.propose([0, 1, 2, 3, 4, 4, 4, 9, 2, 3, 5, 5, 0, 1, 2], [3], room=9) == [4, 4, 4, 9]
+    # The continuation runs to the last known token (a loop).
+    assert other.propose([7, 8, 7, 8, 7], [8], room=9) == [7, 8]
+    # Nothing kept: it waits before proposing again, longer each time.
+    lookup.verified(4, 0)
+    lookup.verified(1, 0)
+    assert lookup.length == 1 and lookup.wait == 1
+    assert not lookup.ready() and lookup.ready()
+    assert lookup.propose(tokens, [3], room=10) == [8, 6]
+    lookup.verified(1, 1)
+    assert lookup.length == 2 and lookup.failures == 0
+
+
+@pytest.mark.parametrize("sampling", [
+    speculation.RowSampling(temperature=0.7, top_k=6),
+    speculation.RowSampling(temperature=1.3, top_p=0.9, min_p=0.05)], ids=["top_k", "top_p_min_p"])
+def test_rejection_sampling_keeps_the_distribution(sampling):
+    """A proposal d kept with probability p(d), else a draw from p without
+    d, and the bonus token from p when all are kept: the first token and
+    the second (given the first) are each distributed as p (chi-square over
+    20,000 draws, filters and temperature included; proposals of two
+    tokens, likely and unlikely, and one that filters drop)."""
+    mx.random.seed(3)
+    vocab = 8
+    # Three positions with the same logits: p is the same at each.
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -4.0]] * 3)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = np.array(mx.softmax(sampling.log_weights(logprobs[:1]), axis=-1)[0])
+    draws = 20_000
+    for proposal in ([1, 0], [0, 2], [7, 7]):
+        first, second = Counter(), Counter()
+        for _ in range(draws // 100):
+            checks = [speculation.SpeculativeGenerationBatch._check(sampling, logprobs, proposal)
+                      for _ in range(100)]
+            mx.eval([v for c in checks for v in c.values()])
+            for check in checks:
+                kept, token = speculation.SpeculativeGenerationBatch._outcome(check, proposal)
+                written = proposal[:kept] + [token]
+                first[written[0]] += 1
+                if len(written) > 1:  # (the first proposal kept)
+                    second[written[1]] += 1
+        for counts in (first, second):
+            if not counts:  # (a proposal filters drop is never kept)
+                continue
+            observed = np.array([counts[t] for t in range(vocab)])
+            expected = p * observed.sum()
+            assert observed[p == 0].sum() == 0, (proposal, observed)
+            live = p > 0
+            chi2 = (((observed[live] - expected[live]) ** 2) / expected[live]).sum()
+            assert chi2 < CHI2_999[live.sum() - 2], (proposal, chi2, observed, expected.round())
+        assert sum(second.values()) >= draws * p[proposal[0]] * 0.9  # (seen when kept)
+
+
+def test_sampled_rows_in_the_batch_keep_their_distribution(fixture_path, monkeypatch):
+    """End to end at temperature 1 (top_k 4): the first two tokens, the
+    second proposed by an oracle that always proposes the same token, are
+    distributed as without proposals (a chi-square test of the two tables,
+    600 requests each)."""
+    body = chat("Pick a word.", max_tokens=2, temperature=1.0, top_k=4)
+    counts = {}
+    for name, argv in (("off", []), ("on", LOOKUP)):
+        runner = EngineRunner(fixture_path("qwen3"), argv=argv)
+        try:
+            first = runner.run({**body, "max_tokens": 1, "temperature": 0.0})[0][0]
+            mx.random.seed(11)
+            if name == "on":
+                proposed = []
+
+                def propose(self, tokens, tail, room):
+                    proposed.append(len(tokens))
+                    return [0, first]  # (a guess, then always the same token)
+
+                monkeypatch.setattr(speculation.RowLookup, "propose", propose)
+            # Greedy first token, then the sampled second one.
+            seen = Counter()
+            for start in range(0, 600, 8):
+                for tokens, _, _ in run(runner, [
+                        {**body, "messages": body["messages"]} for _ in range(8)]):
+                    seen[tuple(tokens)] += 1
+            counts[name] = seen
+            if name == "on":
+                assert proposed
+        finally:
+            monkeypatch.undo()
+            runner.close()
+    keys = sorted(set(counts["off"]) | set(counts["on"]))
+    table = np.array([[counts[name][k] for k in keys] for name in ("off", "on")])
+    assert len(keys) >= 4, table
+    assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
+def test_models_it_cannot_roll_back_are_served_as_without_it(kind, fixture_path, monkeypatch):
+    """Hybrid state and sliding windows are not rolled back here: offered
+    an oracle's proposals, those models check none, and write what they
+    write without them."""
+    off, on = EngineRunner(fixture_path(kind)), EngineRunner(fixture_path(kind), argv=LOOKUP)
+    try:
+        bodies = [chat(" ".join(f"word {j} of line {i}." for j in range(12)), max_tokens=40)
+                  for i in range(4)]
+        reference = run(off, bodies)
+        oracle = Oracle(reference, corrupt=0.3)
+        monkeypatch.setattr(speculation.RowLookup, "propose",
+                            lambda self, *a: oracle.propose(self, *a))
+        forced(monkeypatch)
+        assert [t for t, _, _ in run(on, bodies)] == [t for t, _, _ in reference]
+        assert on.engine.counters.lookup_steps == 0
+    finally:
+        off.close()
+        on.close()
+
+
+def test_seeded_rows_beside_proposing_rows_keep_their_text(pair, monkeypatch):
+    """A seeded row shares checking steps with rows that propose (its
+    pending token checked at position 0): its text is its text alone."""
+    off, on = pair
+    seeded = [chat(f"A seeded story {i}.", max_tokens=20, temperature=0.8, seed=7 + i)
+              for i in range(2)]
+    alone = [on.run(b)[0] for b in seeded]
+    greedy = MIXED[:4]
+    oracle = Oracle(run(off, greedy))
+    monkeypatch.setattr(speculation.RowLookup, "propose",
+                        lambda self, *a: oracle.propose(self, *a))
+    forced(monkeypatch, "carry")
+    before = on.engine.counters.lookup_steps
+    got = run(on, seeded + greedy)
+    assert [t for t, _, _ in got[:2]] == alone
+    assert on.engine.counters.lookup_steps > before
+
+
+def test_a_client_gone_while_its_row_carries_tokens(pair, monkeypatch):
+    """Rows carrying tokens (their KV dropped with others' rejections) when
+    one of them is cancelled: it leaves, its carried tokens with it, and
+    the rest write what they write without proposals."""
+    off, on = pair
+    bodies = [chat(f"Carry on {i}.", max_tokens=60) for i in range(3)]
+    reference = run(off, bodies)
+    oracle = Oracle(reference, corrupt=0.5, seed=4)
+    monkeypatch.setattr(speculation.RowLookup, "propose",
+                        lambda self, *a: oracle.propose(self, *a))
+    forced(monkeypatch, "carry")
+    carried = []
+    real_finish = speculation.SpeculativeGenerationBatch._finish
+
+    def finish(self, emitted):
+        carried.append(len(self.carried))
+        return real_finish(self, emitted)
+
+    monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_finish", finish)
+    channels = [on.submit(b) for b in bodies]
+    while sum(isinstance(channels[0].items.queue[j], Response)
+              for j in range(channels[0].items.qsize())) < 10:
+        time.sleep(0.005)
+    channels[0].cancel_and_drain()
+    for channel, (want, _, _) in zip(channels[1:], reference[1:]):
+        assert channel.result()[0] == want
+    assert any(carried)
+    assert len(on.run(chat("After them.", max_tokens=5))[0]) == 5
+
+
+def test_another_mlx_lm_turns_it_off_with_a_warning(fixture_path, monkeypatch, caplog):
+    """Where GenerationBatch is not the one this was written for, the flag
+    is off (a warning says so) and requests are served as without it."""
+    from mlx_lm_plus import upstream
+
+    assert upstream.generation_batch_as_written()  # (the installed 0.32.2)
+    monkeypatch.setitem(upstream._GENERATION_BATCH_SOURCES, ("GenerationBatch", "next"),
+                        "0" * 64)
+    monkeypatch.setattr(upstream, "_as_written", {})
+    runner = EngineRunner(fixture_path("qwen3"), argv=LOOKUP)
+    try:
+        with caplog.at_level("WARNING"):
+            assert len(runner.run(chat("Still served.", max_tokens=5))[0]) == 5
+        assert "--prompt-lookup-tokens is off" in caplog.text
+    finally:
+        runner.close()
+
+
+def test_proposals_are_checked_only_where_they_pay():
+    """widest_paying, on step costs as measured: where each position costs
+    its share (a CPU) low acceptance checks none and high acceptance some;
+    where a step costs the same whatever its size (a GPU) all are checked."""
+    def rows(rate, n=4):
+        out = []
+        for _ in range(n):
+            r = speculation.RowLookup(speculation.RowSampling(0.0), max_tokens=8)
+            r._kept, r._checked = rate, 1.0
+            out.append(r)
+        return out
+
+    proposals, fed = [[1] * 8] * 4, [1] * 4
+    cpu = speculation.StepCost()
+    for positions in (4, 4, 12, 20, 36):
+        cpu.observe(positions, 0.03 + 0.025 * positions)
+    assert abs(cpu.predict(100) - 2.53) < 1e-6 and abs(cpu.slope() - 0.025) < 1e-9
+    assert speculation.widest_paying(rows(0.2), proposals, fed, cpu) == 0
+    assert 0 < speculation.widest_paying(rows(0.95), proposals, fed, cpu) < 8
+    gpu = speculation.StepCost()
+    for positions in (4, 12, 36):
+        gpu.observe(positions, 0.02)
+    assert speculation.widest_paying(rows(0.2), proposals, fed, gpu) == 8
+    fresh = speculation.StepCost()  # (nothing seen: proposals get tried)
+    assert speculation.widest_paying(rows(0.5), proposals, fed, fresh) == 8
