@@ -286,14 +286,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def next(self):
         if not self.uids or not self.lookups or not speculates(self.prompt_cache):
             return super().next()
-        tic = time.perf_counter()
+        tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
         looking = [lookup is not None and lookup.ready() for lookup in lookups]
         if not any(looking) and not self.carried:
             # (Upstream's step, its next token computed while this returns:
             # the pending tokens are not waited for.)
             responses = super().next()
-            self.cost.observe(len(self.uids), time.perf_counter() - tic)
+            self.cost.observe(rows, time.perf_counter() - tic)
             return responses
         # (Proposals come from the known tokens, the pending one guessed: its
         # step may still be running, and is not waited for here. A wrong
@@ -317,7 +317,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             proposals = [p[:width] for p in proposals]
         if not any(proposals) and not self.carried:
             responses = super().next()
-            self.cost.observe(len(self.uids), time.perf_counter() - tic)
+            self.cost.observe(rows, time.perf_counter() - tic)
             return responses
         positions = len(self.uids) * max(len(self.carried.get(uid, ())) + 1 + len(p)
                                          for uid, p in zip(self.uids, proposals))
@@ -376,9 +376,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
             after = logits[i, at[i] + 1:at[i] + 1 + len(p), :]
             if processors:
                 context = self._token_context[i].update_and_fetch(mx.array([], mx.int32))
+                # (One copy of the context with the proposals; each position
+                # sees a prefix of it.)
+                known = mx.concatenate([context, mx.array(p, context.dtype)])
                 rows_after = []
                 for j in range(len(p)):
-                    seen = mx.concatenate([context, mx.array(p[:j + 1], context.dtype)])
+                    seen = known[:context.size + j + 1]
                     row = after[j:j + 1]
                     for processor in processors:
                         row = processor(seen, row)

@@ -1,4 +1,4 @@
-"""Seeded requests in the batch (engine/seeded.py): a row's draws come from
+"""Seeded requests in the batch (engine/sampling.py): a row's draws come from
 its own random state, started and split as mx.random.seed(seed) starts and
 splits the global one. So a seeded request writes the same text alone, in
 a batch with unseeded traffic, after a restart, and as upstream's own

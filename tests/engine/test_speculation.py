@@ -432,3 +432,29 @@ def test_proposals_are_checked_only_where_they_pay():
     assert speculation.widest_paying(rows(0.2), proposals, fed, gpu) == 8
     fresh = speculation.StepCost()  # (nothing seen: proposals get tried)
     assert speculation.widest_paying(rows(0.5), proposals, fed, fresh) == 8
+
+
+def test_its_figures_reach_stats_metrics_and_the_request_record(pair, monkeypatch):
+    """The engine's prompt_lookup figures (for /v1/stats and /metrics) and a
+    request's own (its log line and record: tokens per step)."""
+    from mlx_lm_plus.http.metrics import RequestRecord
+
+    off, on = pair
+    body = MIXED[0]
+    oracle = Oracle(run(off, [body]), corrupt=0.0)
+    monkeypatch.setattr(speculation.RowLookup, "propose",
+                        lambda self, *a: oracle.propose(self, *a))
+    forced(monkeypatch)
+    before = dict(on.engine.prompt_lookup)
+    channel = on.submit(body)
+    tokens, ctx = channel.result()
+    after = on.engine.prompt_lookup
+    figures = ctx.speculation
+    assert figures["accepted"] > 0 and figures["verify_steps"] > 0
+    assert after["accepted_tokens"] - before["accepted_tokens"] == figures["accepted"]
+    assert after["verify_steps"] - before["verify_steps"] == figures["verify_steps"]
+    record = RequestRecord(id="x", endpoint="/v1/chat/completions", model="m", status=200,
+                           started=0.0, generated_tokens=len(tokens), speculation=figures)
+    steps = len(tokens) - figures["accepted"]
+    assert record.tokens_per_step == len(tokens) / steps > 1
+    assert record.as_dict()["tokens_per_step"] == round(len(tokens) / steps, 2)
