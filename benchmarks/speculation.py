@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from benchmarks.harness import (ab_parser, alternate, fixture_or_model, get_json, median,
-                                print_figures, session, stream_events, window_rate)
-from compat.launch import OURS
+from benchmarks.harness import (ab_parser, fixture_or_model, get_json, median, print_figures,
+                                session, stream_events, window_rate)
+from compat.launch import OURS, ServerProcess
 
 NAMES = ("total", "count", "price", "value", "index", "offset", "width", "height",
          "weight", "score", "limit", "amount", "length", "factor")
@@ -146,9 +146,12 @@ def main(argv=None) -> Dict[str, Any]:
     runs = {name: [] for name in servers}
     for round_ in range(args.rounds):
         # (A B, then B A: neither always goes first.)
-        order = dict(list(servers.items())[::1 if round_ % 2 == 0 else -1])
-        for name, figures in alternate(order, model, work, 1, measure, describe).items():
-            runs[name] += figures
+        for name in list(servers)[::1 if round_ % 2 == 0 else -1]:
+            command, extra = servers[name]
+            with ServerProcess(command, ["--model", model, *extra],
+                               log=work / f"{name}.log") as server:
+                runs[name].append(measure(server, round_))
+            print(f"round {round_ + 1} {name:>8}: {describe(runs[name][-1])}", flush=True)
     figures: Dict[str, Any] = {"model": model, "lines": args.lines, "rounds": args.rounds,
                                "max_tokens": args.max_tokens}
     for case in (f"{w}@{n}" for w, n in cases):
