@@ -88,6 +88,11 @@ _GENERATION_BATCH_SOURCES = {
     ("BatchKVCache", "filter"): "d7a4d2b5a763bc69fbff2b7ab5d2c08d4ebae54ca398b681daa02241b3db7fea",
     ("BatchKVCache", "update_and_fetch"):
         "d099a9c8781d7d67b9f3777e2246b0dd67a92937c174cacc29b8a4f27e4f8847",
+    ("BatchKVCache", "extend"): "672663f4062ad14249ac5f9d1434250e0743f7ef1e664d0db655e23db84ce890",
+    ("BatchKVCache", "extract"): "1da09ad23757559ebbd51dcce51958b208b9b5d587c77c227cc761d1e26354ff",
+    ("BatchKVCache", "make_mask"): "17cab343ff407f6c461bcd3cc94753c012d51a07863fe765ed46b9913211a525",
+    ("TokenBuffer", "update_and_fetch"):
+        "d7a0067bb938393fd31fc6229930e79c4ac6e940f05cba34cefdb586d218aa24",
 }
 _as_written = {}
 
@@ -99,9 +104,10 @@ def generation_batch_as_written() -> bool:
         import hashlib
 
         from mlx_lm.generate import GenerationBatch
-        from mlx_lm.models.cache import BatchKVCache
+        from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
-        owners = {"GenerationBatch": GenerationBatch, "BatchKVCache": BatchKVCache}
+        owners = {"GenerationBatch": GenerationBatch, "BatchKVCache": BatchKVCache,
+                  "TokenBuffer": TokenBuffer}
         _as_written["result"] = all(
             hashlib.sha256(inspect.getsource(getattr(owners[owner], name)).encode())
             .hexdigest() == sha for (owner, name), sha in _GENERATION_BATCH_SOURCES.items())

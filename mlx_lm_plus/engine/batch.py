@@ -420,8 +420,9 @@ class _Batch:
         logging.exception(f"Batch step failed, failing {len(self.results)} requests")
         error = request_error(error, "generating")
         self.host.reset_random_state()
-        for result in self.results.values():
+        for uid, result in self.results.items():
             result["channel"].put(error)
+            self._forget_lookup(uid)
         self.results.clear()
         self._unpark()
         try:

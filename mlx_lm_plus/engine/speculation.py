@@ -69,6 +69,7 @@ CARRY_MAX = 8  # tokens a row may carry to the next step (see _verify)
 MAX_POSITIONS = 512
 MAX_BACKOFF = 16  # steps a row waits, at most, after proposals that failed
 UNPAID_WAIT = 4  # steps a row waits after proposals not worth checking
+EXPLORE_EVERY = 256  # steps without a check before one is made regardless
 
 
 @dataclass
@@ -183,13 +184,14 @@ def _pair(first, second):
 
 
 def proposes_for(args, budget, constraint) -> bool:
-    """Whether a request's row proposes: not seeded, no XTC, and of logits
+    """Whether a request's row proposes: not seeded (greedy, a seed draws
+    nothing), no XTC, and of logits
     processors only upstream's (penalties, logit_bias: functions of the
     context they are handed), not a thinking budget's or a grammar's, which
     keep state from call to call and can't unsee a rejected token."""
     s = args.sampling
-    return (args.seed is None and s.xtc_probability <= 0 and budget is None
-            and constraint is None)
+    return ((args.seed is None or s.temperature == 0) and s.xtc_probability <= 0
+            and budget is None and constraint is None)
 
 
 class StepCost:
@@ -253,16 +255,14 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
     return best
 
 
-def _strip_shared_padding(c):
-    """Drop the left padding every row of a BatchKVCache has (as its filter
-    does when a row leaves): rolled rows' padding would otherwise only grow,
-    and the KV, its attention and its bytes with it."""
-    shared = int(mx.min(c.left_padding).item())
-    if shared > 0:
-        c.keys = c.keys[..., shared:, :]
-        c.values = c.values[..., shared:, :]
-        c._idx -= shared
-        c.left_padding = c.left_padding - shared
+def _strip_shared_padding(c, shared: int):
+    """Drop `shared` positions of left padding every row of a BatchKVCache
+    has (as its filter does when a row leaves): rolled rows' padding would
+    otherwise only grow, and the KV, its attention and its bytes with it."""
+    c.keys = c.keys[..., shared:, :]
+    c.values = c.values[..., shared:, :]
+    c._idx -= shared
+    c.left_padding = c.left_padding - shared
 
 
 def speculates(prompt_cache) -> bool:
@@ -284,7 +284,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     carried: Dict[int, List[int]]
 
     def next(self):
-        if not self.uids or not self.lookups or not speculates(self.prompt_cache):
+        if not self.uids or (not self.carried and (
+                not self.lookups or not speculates(self.prompt_cache))):
             return super().next()
         tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
@@ -292,9 +293,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if not any(looking) and not self.carried:
             # (Upstream's step, its next token computed while this returns:
             # the pending tokens are not waited for.)
-            responses = super().next()
-            self.cost.observe(rows, time.perf_counter() - tic)
-            return responses
+            return self._plain(rows, tic)
         # (Proposals come from the known tokens, the pending one guessed: its
         # step may still be running, and is not waited for here. A wrong
         # guess costs only proposals rejected: each is checked against the
@@ -309,20 +308,38 @@ class SpeculativeGenerationBatch(GenerationBatch):
             proposals.append(following[1:])
         if any(proposals):
             fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
-            width = widest_paying(lookups, proposals, fed, self.cost)
+            # (Every EXPLORE_EVERY steps without a check, one is made as if
+            # checking cost nothing: costs and rates seen long ago, or one
+            # slow step, would otherwise stop checks for good.)
+            probe = self.unchecked >= EXPLORE_EVERY
+            width = widest_paying(lookups, proposals, fed, StepCost() if probe else self.cost)
             if width == 0:  # (not worth it now: look again in a few steps)
                 for lookup, p in zip(lookups, proposals):
                     if p:
                         lookup.wait = max(lookup.wait, UNPAID_WAIT)
             proposals = [p[:width] for p in proposals]
         if not any(proposals) and not self.carried:
-            responses = super().next()
-            self.cost.observe(rows, time.perf_counter() - tic)
-            return responses
+            return self._plain(rows, tic)
         positions = len(self.uids) * max(len(self.carried.get(uid, ())) + 1 + len(p)
                                          for uid, p in zip(self.uids, proposals))
+        # (Timed from here: the wait for the step before, still running, is
+        # that step's time, not this one's.)
+        mx.eval(self._next_tokens)
+        tic = time.perf_counter()
         responses = self._verify(proposals)
         self.cost.observe(positions, time.perf_counter() - tic)
+        self.unchecked, self.after_check = 0, True
+        return responses
+
+    def _plain(self, rows: int, tic: float):
+        """Upstream's step. Its time is the step before's (it waits for that
+        one's tokens, and leaves its own computing): not recorded right after
+        a checking step, which left nothing to wait for."""
+        responses = super().next()
+        if not self.after_check:
+            self.cost.observe(rows, time.perf_counter() - tic)
+        self.after_check = False
+        self.unchecked += 1
         return responses
 
     def _verify(self, proposals: List[List[int]]):
@@ -434,7 +451,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 # left padding: the same move, for positions written.)
                 c.prepare(right_padding=rolled)
                 c.finalize()
-                _strip_shared_padding(c)
+            # (Every layer's padding is the same.)
+            shared = int(mx.min(self.prompt_cache[0].left_padding).item())
+            if shared > 0:
+                for c in self.prompt_cache:
+                    _strip_shared_padding(c, shared)
             mx.eval([(c.keys, c.values) for c in self.prompt_cache])
             self.roll_cost.observe(held, time.perf_counter() - tic)
         self.carried = {}
@@ -456,11 +477,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
         rejected more rolled: a copy of the batch's KV), whichever costs
         less by what such steps took (a roll first, to learn its cost)."""
         least, most = min(rejected), max(rejected)
-        # (Not twice in a row: a row that carries feeds its carried tokens
-        # and proposals next step, and carrying again would only grow that.)
-        if most == least or most - least > CARRY_MAX or self.carried:
-            return least
         rows = len(rejected)
+        # (Not twice in a row: a row that carries feeds its carried tokens
+        # and proposals next step, and carrying again would only grow that.
+        # Nor where next step's positions, with rows that may join, could
+        # pass MAX_POSITIONS.)
+        if (most == least or most - least > CARRY_MAX or self.carried
+                or 4 * rows * (most - least + 1) > MAX_POSITIONS):
+            return least
         carry = self.cost.slope() * rows * (most - least)
         roll = self.roll_cost.predict(rows * self.prompt_cache[0].size()) \
             if self.roll_cost.seen else 0.0
@@ -557,6 +581,7 @@ def install(generator) -> Optional[Dict[int, RowLookup]]:
     batch.__class__ = SpeculativeGenerationBatch
     batch.lookups, batch.carried = {}, {}
     batch.cost, batch.roll_cost = StepCost(), StepCost()
+    batch.unchecked, batch.after_check = 0, False
     return batch.lookups
 
 
