@@ -27,8 +27,8 @@ Exactness, per row:
 
 Rows that do not propose (in this version): rows with a grammar or a
 thinking budget (processors that keep state from call to call: they would
-have to unsee rejected tokens), seeded rows (their draws follow upstream's
-seeded text) and XTC; and no row of a model whose every layer is not a
+have to unsee rejected tokens), seeded rows that sample (their draws
+follow upstream's seeded text) and XTC; and no row of a model whose every layer is not a
 plain BatchKVCache (hybrid state, sliding windows, quantized KV: not rolled
 back here), of a vision model, or under mx.distributed. Rows that do not
 propose still share a verifying step: position 0 is theirs, processed and
