@@ -84,6 +84,37 @@ def delta_text(choice: dict) -> str:
 
 
 @dataclass
+class Streamed:
+    """One streamed chat completion: when each piece of text arrived
+    (perf_counter), the usage event, the finish reason, the text."""
+    sent: float
+    arrivals: List[float]
+    usage: Optional[Dict[str, Any]]
+    finish: Optional[str]
+    text: str
+
+
+async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict) -> Streamed:
+    """POST a streamed chat completion and read it to its end (a non-200
+    answer raises)."""
+    sent = time.perf_counter()
+    arrivals, parts, usage, finish = [], [], None, None
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {await r.text()}")
+        async for event in stream_events(r):
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                piece = delta_text(choice)
+                if piece:
+                    arrivals.append(time.perf_counter())
+                    parts.append(piece)
+                finish = choice.get("finish_reason") or finish
+    return Streamed(sent, arrivals, usage, finish, "".join(parts))
+
+
+@dataclass
 class Client:
     """Streams chat completions from one server and keeps a Row for each."""
 

@@ -17,12 +17,11 @@ drained, so the seeded streams wait for all the others.
 
 import asyncio
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
 from benchmarks.harness import (ab_parser, fixture_or_model, median, print_figures, session,
-                                stream_events)
+                                stream_chat)
 from compat.launch import OURS, ServerProcess
 
 STREAMS, SEEDED = 8, (0, 1)
@@ -37,16 +36,10 @@ def body(i: int, seeded: bool, max_tokens: int) -> dict:
 
 
 async def _stream(http, url: str, request: dict) -> float:
-    last = time.perf_counter()  # (the send: waiting to start counts)
-    largest = 0.0
-    async with http.post(url + "/v1/chat/completions", json=request) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {await r.text()}")
-        async for event in stream_events(r):
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
-                now = time.perf_counter()
-                largest, last = max(largest, now - last), now
-    return largest
+    """The largest gap between arrivals, the send counting as the first."""
+    streamed = await stream_chat(http, url, request)
+    times = [streamed.sent] + streamed.arrivals
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
 async def _eight(url: str, with_seeds: bool, max_tokens: int) -> List[float]:

@@ -25,12 +25,11 @@ whether each request's text was the same with and without proposals.
 import asyncio
 import random
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
 from benchmarks.harness import (ab_parser, fixture_or_model, get_json, median, print_figures,
-                                session, stream_events, window_rate)
+                                session, stream_chat, window_rate)
 from compat.launch import OURS, ServerProcess
 
 NAMES = ("total", "count", "price", "value", "index", "offset", "width", "height",
@@ -74,22 +73,6 @@ def bodies(workload: str, streams: int, lines: int, max_tokens: int) -> List[dic
     return out
 
 
-async def _one(http, url, body):
-    arrivals, parts, usage = [], [], None
-    async with http.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {await r.text()}")
-        async for event in stream_events(r):
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    arrivals.append(time.perf_counter())
-                    parts.append(piece)
-    return arrivals, usage["completion_tokens"], "".join(parts)
-
-
 async def _workload(url, batch):
     async with session() as http:
         # (Prompts are prefilled first, one request each, and not timed: the
@@ -99,17 +82,17 @@ async def _workload(url, batch):
                                  json={**body, "max_tokens": 1, "stream": False}) as r:
                 await r.read()
         before = (await get_json(http, url, "/v1/stats"))["engine"]
-        results = await asyncio.gather(*(_one(http, url, b) for b in batch))
+        results = await asyncio.gather(*(stream_chat(http, url, b) for b in batch))
         after = (await get_json(http, url, "/v1/stats"))["engine"]
-    arrivals = [a for a, _, _ in results]
-    tokens = [n for _, n, _ in results]
+    arrivals = [s.arrivals for s in results]
+    tokens = [s.usage["completion_tokens"] for s in results]
     lookup_before, lookup_after = before.get("prompt_lookup"), after.get("prompt_lookup")
     accepted = (lookup_after["accepted_tokens"] - lookup_before["accepted_tokens"]
                 if lookup_before and lookup_after else 0)
     generated = sum(tokens)
     return {"decode_tps": window_rate(arrivals, tokens),
             "tokens_per_step": round(generated / max(1, generated - accepted), 3),
-            "generated": generated, "texts": [t for _, _, t in results]}
+            "generated": generated, "texts": [s.text for s in results]}
 
 
 def main(argv=None) -> Dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional
 
 import aiohttp
 
-from benchmarks.harness import delta_text, fixture_or_model, stream_events
+from benchmarks.harness import fixture_or_model, stream_chat
 from compat.launch import OURS, ServerProcess
 
 # A nested object whose JSON can not be complete within a few hundred tokens:
@@ -102,30 +102,17 @@ async def _one(session, url: str, i: int, max_tokens: int, constrained: bool) ->
     }
     if constrained:
         body["response_format"] = RESPONSE_FORMAT
-    start = time.perf_counter()
-    first = last = None
-    usage, finish, parts = None, None, []
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {await r.text()}")
-        async for event in stream_events(r):
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", []):
-                piece = delta_text(choice)
-                if piece:
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-                    parts.append(piece)
-                finish = choice.get("finish_reason") or finish
+    streamed = await stream_chat(session, url, body)
+    start, usage, finish = streamed.sent, streamed.usage, streamed.finish
+    first, last = (streamed.arrivals[0], streamed.arrivals[-1]) if streamed.arrivals \
+        else (None, None)
     tokens = usage["completion_tokens"] if usage else None
     rate = None
     if tokens and tokens > 1 and last is not None and last > first:
         rate = (tokens - 1) / (last - first)
     e2e = tokens / (last - start) if tokens and last is not None else None
     return {"start": start, "first": first, "last": last, "tokens": tokens, "rate": rate,
-            "e2e": e2e, "finish": finish, "text": "".join(parts)}
+            "e2e": e2e, "finish": finish, "text": streamed.text}
 
 
 async def _run(url: str, batch: int, max_tokens: int, constrained: bool, offset: int):
