@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.embedding_fixtures import EMBEDDING_KINDS, build_embedding_fixture
 from testkit.fixtures import (
     VISION_KINDS, VLM_KINDS, build_fixture, build_vision_fixture, build_vlm_fixture,
 )
@@ -37,6 +38,8 @@ def fixture_path(fixture_dir):
             return build_vision_fixture(kind, fixture_dir)
         if kind in VLM_KINDS:
             return build_vlm_fixture(kind, fixture_dir)
+        if kind in EMBEDDING_KINDS:
+            return build_embedding_fixture(kind, fixture_dir)
         return build_fixture(kind, fixture_dir)
 
     return build

@@ -68,6 +68,7 @@ from mlx_lm_plus.cache.store import PromptStore
 from mlx_lm_plus.engine.admission import PARKED, Admission, Planned, Queued
 from mlx_lm_plus.engine.batch import _Batch
 from mlx_lm_plus.engine.channel import Channel
+from mlx_lm_plus.engine.embedding import EmbeddingRunner
 from mlx_lm_plus.engine.distributed import Group, ends_the_group, group_end_reason, group_lost_error, is_group_lost
 from mlx_lm_plus.engine.facts import ModelFacts
 from mlx_lm_plus.engine.host import Counters
@@ -84,6 +85,9 @@ from mlx_lm_plus.errors import (
 )
 from mlx_lm_plus.models.provider import vision_of
 from mlx_lm_plus.patches import apply_all as _apply_patches
+from mlx_lm_plus.planning.embedding import (
+    EMBEDDING_REQUESTS, EmbeddingPlan, plan_embedding_request,
+)
 from mlx_lm_plus.planning.vocab import check_vocab
 
 # Seconds between two looks at idle models (TTL, keep_alive).
@@ -113,6 +117,9 @@ class Engine:
             decoding=self.decoding, stopping=lambda: self._stop, group_lost=self._group_lost)
         self.requests = self.scheduler.queue
         self.sequential = SequentialRunner(self)
+        # /v1/embeddings and /v1/rerank: prefill-only batches (embedding.py).
+        self.embeddings = EmbeddingRunner(
+            self._beat, budget=lambda: self.cli_args.prefill_step_size)
         self._time_budget = TimeBudget()
         self._stop = False
         # Why the engine is down (None while it serves), for /health.
@@ -183,6 +190,10 @@ class Engine:
         c = self.counters
         return {"proposed_tokens": c.lookup_proposed, "accepted_tokens": c.lookup_accepted,
                 "verify_steps": c.lookup_steps}
+
+    @property
+    def embedding_stats(self) -> Dict[str, int]:
+        return {"batches": self.embeddings.batches, "inputs": self.embeddings.inputs}
 
     @property
     def thread_seconds(self) -> Dict[str, float]:
@@ -302,6 +313,7 @@ class Engine:
             held += [r["channel"] for r in list(batch.results.values())]
             held += [r[0] for r in batch.held_back()]
         held += [r[0] for r in list(self.scheduler.pending)]
+        held += self.embeddings.channels()
         held += [c for c in (self._current, self._admitting, self.scheduler.admitting,
                              self.scheduler.handing_off) if c is not None]
         return held
@@ -315,6 +327,7 @@ class Engine:
             except Exception:
                 pass
         self._batches, self._current, self._admitting = {}, None, None
+        self.embeddings.jobs = []
         self.scheduler.pending = []
         for channel in held:
             channel.put(error)
@@ -385,8 +398,10 @@ class Engine:
         any thread: /v1/models, /metrics, the dashboard)."""
         batches = dict(self._batches)
         current = self._current_key
+        embedding = [job.lm.key for job in list(self.embeddings.jobs)]
         return self.residency.describe(
-            lambda key: (len(batches[key].results) if key in batches else 0) + (current == key))
+            lambda key: (len(batches[key].results) if key in batches else 0) + (current == key)
+            + embedding.count(key))
 
     def serves_vision(self, model) -> bool:
         return self.residency.serves_vision(model)
@@ -409,9 +424,10 @@ class Engine:
 
     @property
     def active_requests(self) -> int:
-        """Requests the generation thread holds (in the batch or sequential)."""
+        """Requests the generation thread holds (in the batch, sequential or
+        embedding)."""
         n = sum(len(b.results) for b in list(self._batches.values()))
-        return n + (self._current is not None)
+        return n + (self._current is not None) + len(self.embeddings.jobs)
 
     def stop(self):
         """Stop the generation loop: every request it holds is answered
@@ -436,6 +452,13 @@ class Engine:
         """Planner.plan: a request planned for the model it names, on the
         caller's thread (None: planned at admission)."""
         return self.planner.plan(request, args)
+
+    def plan_embedding(self, request, args):
+        """An /v1/embeddings or /v1/rerank request planned for the model it
+        names, on the caller's thread (None: planned at admission, its
+        model not loaded yet). Raises PromptError."""
+        lm = self.model_provider.get(self.model_provider.key_for(args.model))
+        return None if lm is None else plan_embedding_request(lm, request)
 
     def read_ahead(self, planned: Planned) -> Optional[Future]:
         return self.planner.read_ahead(planned)
@@ -555,11 +578,12 @@ class Engine:
         self.residency.unload_idle(busy)
 
     def _any_active(self) -> bool:
-        return any(b.active for b in self._batches.values())
+        return any(b.active for b in self._batches.values()) or self.embeddings.active
 
     def _in_use(self, key) -> bool:
         batch = self._batches.get(key)
-        return batch is not None and (batch.active or bool(batch.held_back()))
+        return self.embeddings.uses(key) or (
+            batch is not None and (batch.active or bool(batch.held_back())))
 
     def _unloading(self, key):
         """Model `key` is being unloaded (residency.py): its batch and plans
@@ -571,6 +595,7 @@ class Engine:
             for r in batch.results.values():
                 r["channel"].put(EngineUnavailable(f"Model {key[0]} was unloaded"))
             batch.close()
+        self.embeddings.fail(EngineUnavailable(f"Model {key[0]} was unloaded"), key)
         self.planner.forget(key)
 
     # -- the generation loop --
@@ -643,6 +668,8 @@ class Engine:
                 batch.step()
             # Their wait is over: first in line again.
             self.scheduler.pending[:0] = batch.take_unparked()
+        if self.embeddings.active:
+            self.embeddings.step()
 
     def _admit(self, request, stream):
         """Admit a request whose model is loaded: into that model's batch
@@ -655,6 +682,9 @@ class Engine:
         lm.last_used = time.monotonic()
         if getattr(req, "keep_alive", None) is not None:
             lm.keep_alive = req.keep_alive
+        if isinstance(req, EMBEDDING_REQUESTS) or lm.embedder is not None:
+            self._admit_embedding(lm, channel, req, planned)
+            return
         if getattr(req, "count_only", False):
             self._count(lm, channel, req, args)
             return
@@ -697,6 +727,21 @@ class Engine:
                     self.scheduler.wave_since = time.monotonic()
             self.counters.admitted += 1
         self.counters.thread_seconds["admission"] += time.perf_counter() - tic - stepped
+
+    def _admit_embedding(self, lm, channel, request, planned):
+        """An embedding or rerank request joins the embedding runner's jobs,
+        planned here if it wasn't ahead (its model was not loaded then). A
+        request of the wrong kind for the model is the client's 400."""
+        try:
+            if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
+                planned = plan_embedding_request(lm, request)
+        except PromptError as e:
+            channel.put(e)
+            return
+        self.embeddings.add(channel, lm, planned)
+        self.counters.admitted += 1
+        if self.scheduler.wave_since is None and not self.decoding():
+            self.scheduler.wave_since = time.monotonic()  # (requests sent together share it)
 
     def _prepare(self, lm, channel, request, args, planned=None, batch=None,
                  between_chunks=None):

@@ -278,6 +278,8 @@ class ModelResidency:
                 "idle_seconds": (0.0 if running else round(now - lm.last_used, 1))
                 if lm is not None else None,
                 "keep_alive": lm.keep_alive if lm is not None else None,
+                # "generate", "embed" (/v1/embeddings) or "rerank" (/v1/rerank)
+                "task": lm.task if lm is not None else provider.task(key),
             })
         return out
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Tuple
 from mlx_lm_plus.engine.admission import BLOCKED, LOADING, READY, ROOM
 from mlx_lm_plus.engine.distributed import ends_the_group, pickled
 from mlx_lm_plus.errors import InternalError, request_error
+from mlx_lm_plus.planning.embedding import EMBEDDING_REQUESTS, EmbeddingPlan
 
 # A prefill wave (the first step of requests admitted while nothing decodes)
 # waits for requests the HTTP side is still planning (Engine.arrivals): at
@@ -154,6 +155,8 @@ class Scheduler:
         planned = request[3]
         if planned is None:
             return 1, 0
+        if isinstance(planned, EmbeddingPlan):
+            return 0, planned.prompt_tokens
         key = planned.plan.cache_key
         return 0, len(key) - self.store.covers(planned.model_key, key)
 
@@ -216,7 +219,10 @@ class Scheduler:
         lm = provider.get(key)
         if lm is None:
             return self.residency.readiness(channel, key)
-        if getattr(req, "count_only", False) or self.is_batchable(lm, req, args):
+        # (Embedding work runs beside the batches; a request of the wrong kind
+        # for its model is answered at admission.)
+        if (isinstance(req, EMBEDDING_REQUESTS) or lm.embedder is not None
+                or getattr(req, "count_only", False) or self.is_batchable(lm, req, args)):
             return READY
         # Served sequentially: it has the thread to itself.
         return BLOCKED if self.any_active() else READY

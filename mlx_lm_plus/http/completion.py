@@ -57,6 +57,14 @@ class Completions:
     counters, engine, metrics, lanes, Intake and Replies.)"""
 
     async def handle_completion(self, request: web.Request, protocol: WireProtocol):
+        return await self.take_in(request, lambda body, track: self._handle_completion(
+            request, body, track, protocol))
+
+    async def take_in(self, request: web.Request, handle):
+        """A request's way in for every endpoint that runs the engine: the
+        engine's health, the bound on requests in flight, its body read and
+        counted; then `await handle(body, track)` gives its response. Its
+        record goes to the metrics at the end, whatever happened."""
         track = _Tracker(request.path)
         response = None
         try:
@@ -88,8 +96,7 @@ class Completions:
                     self.arriving += 1
                     track.arriving = True
                     try:
-                        response = await self._handle_completion(request, body, track,
-                                                                 protocol)
+                        response = await handle(body, track)
                     except ConnectionResetError:
                         raise
                     except Exception as e:
@@ -127,13 +134,23 @@ class Completions:
             track.arriving = False
             self.arriving -= 1
 
+    def not_served(self, request, desc):
+        """The 404 of a model (ModelDescription) this server doesn't serve."""
+        served = ", ".join(repr(e.name) for e in self.model_provider.served)
+        return self.error(
+            request,
+            f"Model not served here: model={desc.model!r}, adapters={desc.adapter!r}, "
+            f"draft_model={desc.draft!r}. This server serves {served} (GET /v1/models "
+            "lists them; start it with --allow-model-loading to load others).",
+            404,
+        )
+
     def _busy(self, request):
         return self.unavailable(request, f"Server busy: {self.in_flight} requests in flight "
                                          "(--decode-concurrency + --max-queued-requests)")
 
     async def _handle_completion(self, request: web.Request, body, track: _Tracker,
                                  protocol: WireProtocol):
-        provider = self.model_provider
         try:
             # In an executor: parsing checks each image's header by decoding
             # its base64 (~2 ms a MB; a Responses continuation brings the
@@ -148,15 +165,7 @@ class Completions:
         track.record.served_model = label
         track.record.stream = parsed.stream
         if not served:
-            desc = parsed.args.model
-            served = ", ".join(repr(e.name) for e in provider.served)
-            return self.error(
-                request,
-                f"Model not served here: model={desc.model!r}, adapters={desc.adapter!r}, "
-                f"draft_model={desc.draft!r}. This server serves {served} (GET /v1/models "
-                "lists them; start it with --allow-model-loading to load others).",
-                404,
-            )
+            return self.not_served(request, parsed.args.model)
         try:
             if self.cli_args.allow_remote_images:
                 # Only once the whole request validated.

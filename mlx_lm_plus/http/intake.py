@@ -281,8 +281,15 @@ class Intake:
         parsed = protocol.parse(path, body, cli, self._vocab_size(name))
         if default:
             parsed.args.model = ModelDescription("default_model", "default_model", None)
-        return (parsed, provider.is_served(parsed.args.model),
-                provider.name_for(parsed.args.model))
+        served = provider.is_served(parsed.args.model)
+        if served:
+            task = provider.task(provider.key_for(parsed.args.model))
+            if task != "generate":
+                raise RequestError(
+                    f"Model {provider.name_for(parsed.args.model)!r} is an "
+                    f"{'embedding' if task == 'embed' else 'reranking'} model: it serves "
+                    f"/v1/{'embeddings' if task == 'embed' else 'rerank'}, not {path}")
+        return parsed, served, provider.name_for(parsed.args.model)
 
 
 def _parse_body(raw: bytes):

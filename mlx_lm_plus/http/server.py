@@ -24,6 +24,7 @@ from aiohttp import web
 
 from mlx_lm_plus.errors import EngineUnavailable
 from mlx_lm_plus.http.completion import Completions
+from mlx_lm_plus.http.embeddings import Embeddings
 from mlx_lm_plus.http.connections import HEAD_SECONDS, ConnectionLimit, default_max_open
 from mlx_lm_plus.http.intake import LARGE_LANE_HELD, Intake
 from mlx_lm_plus.http.metrics import Metrics, cache_entries
@@ -31,6 +32,7 @@ from mlx_lm_plus.http.replies import ADMIN_PATHS, OPEN_STREAM, Replies
 from mlx_lm_plus.planning.lanes import Lane
 from mlx_lm_plus.protocols.base import WireProtocol
 from mlx_lm_plus.protocols.chat import ChatCompletionsProtocol
+from mlx_lm_plus.protocols.embeddings import EMBEDDINGS_PATHS, RERANK_PATHS
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 # How the app is served (app.serve, and the tests' servers): request bodies
@@ -42,7 +44,7 @@ DASHBOARD = Path(__file__).with_name("dashboard.html")
 RUNNER_OPTIONS = {"auto_decompress": False, "keepalive_timeout": HEAD_SECONDS}
 
 
-class Server(Replies, Intake, Completions):
+class Server(Replies, Intake, Completions, Embeddings):
     """The handlers, with the engine and the settings they need."""
 
     def __init__(self, cli_args, engine, model_provider, system_fingerprint: str,
@@ -175,6 +177,9 @@ class Server(Replies, Intake, Completions):
                     request, f"{request.path} refuses {why}: call it from this "
                     "server's own pages or a non-browser client, by address or "
                     "localhost (or start the server with --api-key and send the key)", 403)
+        if request.method == "POST" and request.path in EMBEDDINGS_PATHS + RERANK_PATHS:
+            return await self.handle_embeddings(
+                request, "embed" if request.path in EMBEDDINGS_PATHS else "rerank")
         protocol = self.protocol_for(request.path)
         if protocol is not None and request.method == "POST" and request.path in protocol.paths:
             return await self.handle_completion(request, protocol)
@@ -271,6 +276,8 @@ class Server(Replies, Intake, Completions):
                 "generated_tokens": getattr(engine, "tokens_out", None),
                 # --prompt-lookup-tokens: proposed, kept, the steps that checked.
                 "prompt_lookup": getattr(engine, "prompt_lookup", None),
+                # /v1/embeddings and /v1/rerank: forward passes and the inputs they ran.
+                "embeddings": getattr(engine, "embedding_stats", None),
             },
             "http": {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
                      "receiving_bodies": self.reading,
@@ -307,7 +314,8 @@ class Server(Replies, Intake, Completions):
         created = int(time.time())
         served = len(self.model_provider.served)
         models = [{"id": m["id"], "object": "model", "created": created,
-                   "owned_by": "mlx_lm_plus", "loaded": m["loaded"], "pinned": m["pinned"]}
+                   "owned_by": "mlx_lm_plus", "loaded": m["loaded"], "pinned": m["pinned"],
+                   "task": m["task"]}
                   for i, m in enumerate(self.engine.models())
                   if i < served or self.cli_args.allow_model_loading]
         if self.cli_args.allow_model_loading:

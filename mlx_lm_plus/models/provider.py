@@ -30,6 +30,7 @@ import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
+from mlx_lm_plus.models.embedders import folder_task, load_embedder
 from mlx_lm_plus.models.served import ServedModel, resolved_path, served_set
 from mlx_lm_plus.models.vision import (
     VisionSupport, configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
@@ -217,8 +218,12 @@ class LoadedModel(UpstreamModelProvider):
     how long it stays (the engine's residency fields)."""
 
     def __init__(self, cli_args, key, pinned=False, ttl=None, sequential_vision=False,
-                 room_for_weights=None):
+                 room_for_weights=None, task="generate"):
         super().__init__(cli_args)
+        # "generate", or "embed"/"rerank" with the model in `embedder`
+        # (embedders.Embedder) for /v1/embeddings and /v1/rerank.
+        self.task = task
+        self.embedder = None
         self.sequential_vision = sequential_vision
         # Bytes its weights may take (cpu.weights_for_cpu; None: no bound).
         self.room_for_weights = room_for_weights
@@ -266,6 +271,8 @@ class LoadedModel(UpstreamModelProvider):
         for its first step: dropping the model it held and a gc.collect(),
         which holds the GIL for ~50 ms (a stall of every model generating
         meanwhile on the generation thread) and has nothing to free here."""
+        if self.task != "generate":
+            return self._load_embedder(model_path)
         path = served_image_path((model_path, adapter_path, draft_model_path),
                                  self.sequential_vision, self.is_distributed)
         if path is None:
@@ -295,6 +302,26 @@ class LoadedModel(UpstreamModelProvider):
                 "served through mlx-vlm's own generation: one request at a time, without "
                 "the prompt cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                 "Gemma 3, Idefics3, SmolVLM)")
+
+    def _load_embedder(self, model_path):
+        """An embedding or reranking model (embedders.py): not batched with
+        generation, served by the engine's embedding runner."""
+        if self.is_distributed:
+            raise ValueError("Embedding and reranking models are not served under "
+                             "mx.distributed")
+        embedder, config = load_embedder(model_path, self.task, _mlx_lm_has)
+        self.embedder = embedder
+        self.model_key = (model_path, None, None)
+        self.model = embedder.model
+        self.tokenizer = embedder.tokenizer
+        self.processor = None
+        self.config = config
+        self.draft_model = None
+        self.is_batchable = False
+        logging.info(f"Loaded {model_path} as {'an embedding' if self.task == 'embed' else 'a reranking'} "
+                     f"model ({'mlx-lm' if embedder.decoder else 'mlx-embeddings'}; "
+                     f"{embedder.pooling.mode if self.task == 'embed' else 'yes/no'} scoring, "
+                     f"context {embedder.context_length})")
 
     def _log_part(self, model_path, model, extra: str = ""):
         """Which part of mlx-lm's `model` this rank of mx.distributed holds."""
@@ -394,6 +421,9 @@ class ModelProvider:
         self._disk_bytes: Dict[str, int] = {}  # model path -> weight files' bytes
         self._budget: Optional[int] = None  # memory_budget(), read once
         self._config_vocabs: Dict[str, Optional[int]] = {}  # path -> its config's
+        self._tasks: Dict[str, str] = {}  # path -> folder_task
+        for entry in self.served:  # (read once here: /v1/models lists them)
+            self.task(entry.key)
 
     @property
     def default_key(self):
@@ -453,7 +483,8 @@ class ModelProvider:
             cache = default_budget()
         lm = LoadedModel(self.cli_args, key, pinned=pinned, ttl=ttl,
                          sequential_vision=self._sequential_vision(key),
-                         room_for_weights=self.memory_budget() - held - cache)
+                         room_for_weights=self.memory_budget() - held - cache,
+                         task=self.task(key))
         lm.load_seconds = time.perf_counter() - tic
         logging.info(f"Loaded model {key[0]} in {lm.load_seconds:.1f} s "
                      f"({lm.nbytes / 1e9:.2f} GB)")
@@ -484,6 +515,22 @@ class ModelProvider:
 
     def image_max_pixels(self, key) -> Optional[int]:
         return self._vision_fact(key)[1]
+
+    def task(self, key) -> str:
+        """What model `key` serves: "generate", "embed" or "rerank" (its
+        --models-config entry's `task`, else what its folder says; known
+        before it is loaded, for the endpoints' 400s)."""
+        if key[1] is not None or key[2] is not None:
+            return "generate"  # (adapters and draft models are generation's)
+        entry = next((e for e in self.served if e.key == key and e.task), None)
+        if entry is not None:
+            return entry.task
+        task = self._tasks.get(key[0])
+        if task is None:  # (asked from executor threads)
+            if len(self._tasks) > 256:  # (paths a client named)
+                self._tasks.clear()
+            task = self._tasks[key[0]] = folder_task(key[0])
+        return task
 
     def _sequential_vision(self, key) -> bool:
         return any(e.vision == "sequential" for e in self.served if e.key == key)

@@ -42,6 +42,9 @@ class ServedModel:
     # "sequential": images (and text) through mlx-vlm's own generation, one
     # request at a time, for a family mlx-lm would serve as text only.
     vision: Optional[str] = None
+    # "embed", "rerank" or "generate": what it serves, where its folder
+    # doesn't say (embedders.folder_task). None: what the folder says.
+    task: Optional[str] = None
 
     @property
     def key(self):
@@ -54,7 +57,7 @@ def _entry(raw, where: str) -> ServedModel:
     if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
         raise ValueError(f"{where}: an entry needs a `path` string")
     known = {"name", "path", "adapter_path", "draft_model", "aliases", "pinned", "ttl",
-             "defaults", "vision"}
+             "defaults", "vision", "task"}
     if unknown := set(raw) - known:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     aliases = raw.get("aliases", [])
@@ -71,6 +74,13 @@ def _entry(raw, where: str) -> ServedModel:
     if raw.get("vision") not in (None, "sequential"):
         raise ValueError(f'{where}: `vision` may be "sequential" (images through '
                          "mlx-vlm's own generation, one request at a time)")
+    if raw.get("task") not in (None, "generate", "embed", "rerank"):
+        raise ValueError(f'{where}: `task` may be "generate", "embed" (/v1/embeddings) '
+                         'or "rerank" (/v1/rerank)')
+    if raw.get("task") in ("embed", "rerank") and (
+            raw.get("adapter_path") or raw.get("draft_model") or raw.get("vision")):
+        raise ValueError(f"{where}: an embedding or reranking model takes no adapter, "
+                         "draft model or vision setting")
     if raw.get("vision") and (raw.get("adapter_path") or raw.get("draft_model")):
         raise ValueError(f"{where}: `vision` is not available with an adapter or a draft "
                          "model (those load through mlx-lm, as text)")
@@ -96,7 +106,7 @@ def _entry(raw, where: str) -> ServedModel:
         aliases=tuple(aliases), pinned=bool(raw.get("pinned", False)),
         ttl=None if ttl is None else float(ttl),
         defaults={MODEL_DEFAULTS[k]: v for k, v in defaults.items()},
-        vision=raw.get("vision"))
+        vision=raw.get("vision"), task=raw.get("task"))
 
 
 def resolved_path(path: str) -> str:

@@ -27,7 +27,7 @@ class ScriptedEngine:
 
     @staticmethod
     def models():
-        return [{"id": "m", "loaded": True, "pinned": True}]
+        return [{"id": "m", "loaded": True, "pinned": True, "task": "generate"}]
 
     def __init__(self, script=None):
         self.script = script or []
@@ -85,7 +85,7 @@ def make_client(aiohttp_client, engine, argv=(), protocols=()):
     provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
                          key_for=lambda desc: (desc.model, desc.adapter, None),
                          defaults_for=lambda name: args, name_for=lambda key: "m",
-                         vocab_size=lambda key: None)
+                         vocab_size=lambda key: None, task=lambda key: "generate")
     server = Server(args, engine, provider, "fp")
     for protocol in protocols:
         server.add_protocol(protocol)

@@ -32,7 +32,7 @@ def _server(engine) -> Server:
     provider = Namespace(is_served=lambda desc: True, get=lambda key: None, served=["m"],
                          key_for=lambda desc: (desc.model, desc.adapter, None),
                          defaults_for=lambda name: args, name_for=lambda key: "m",
-                         vocab_size=lambda key: None)
+                         vocab_size=lambda key: None, task=lambda key: "generate")
     return Server(args, engine, provider, "fp")
 
 

@@ -1,0 +1,282 @@
+"""Embedding and reranking models: which task a model folder serves, and
+the model called on a batch of token lists.
+
+A folder says what it is; nothing here guesses from a model's name:
+  * sentence-transformers' `modules.json` with a Pooling module: an
+    embedder. Its pooling comes from that module's `config.json`, L2
+    normalization from a Normalize module after it, and its prompts
+    (Qwen3-Embedding's query instruction) from
+    `config_sentence_transformers.json`;
+  * `pipeline_tag: text-ranking` in the front matter of its README.md (the
+    model card), on a causal LM: a reranker that scores "yes" against "no"
+    after its prompt (Qwen3-Reranker);
+  * anything else generates (chat and text completions).
+A --models-config entry's `task` overrides what the folder says.
+
+Decoders load through mlx-lm when it knows their model type (Qwen3, Llama,
+Gemma...), encoders through mlx-embeddings (BERT, XLM-RoBERTa). A batch is
+right-padded. A decoder needs no mask for that: causal attention never looks
+at a later position, so what follows an input can't change its hidden
+states. An encoder gets an attention mask, which mlx-embeddings turns into
+-10000 on the padded keys (exp of that is 0 in float32).
+"""
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+
+TASKS = ("generate", "embed", "rerank")
+# mlx-embeddings' encoder families whose model returns every position's
+# hidden state (`last_hidden_state`), which pooling needs; its ModernBERT
+# pools inside the model, by its own config, and is not taken.
+ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta")
+# sentence-transformers' pooling modes (1_Pooling/config.json) served here.
+POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken",
+                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
+ST_POOLING = "sentence_transformers.models.Pooling"
+ST_NORMALIZE = "sentence_transformers.models.Normalize"
+ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# Qwen3-Reranker's prompt, from its model card: the pair goes between the
+# prefix and the suffix, and the score is P("yes") against P("no") at the
+# last position.
+RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements "
+                 "based on the Query and the Instruct provided. Note that the answer can "
+                 "only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+class EmbedderError(ValueError):
+    """A model folder that can't be served for its task (said at load)."""
+
+
+def local_folder(path) -> Optional[Path]:
+    """A model's folder on this machine: the path itself, or a Hugging Face
+    repo already in the local cache (never downloaded here)."""
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except Exception:
+        return None
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _pipeline_tag(folder: Path) -> Optional[str]:
+    """The model card's `pipeline_tag` (README.md's YAML front matter)."""
+    try:
+        text = (folder / "README.md").read_text(errors="replace")[:20000]
+    except OSError:
+        return None
+    if not text.startswith("---"):
+        return None
+    front = text[3:].split("\n---", 1)[0]
+    found = re.search(r"^pipeline_tag:\s*['\"]?([\w-]+)", front, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _modules(folder: Path) -> list:
+    modules = _json(folder / "modules.json")
+    return modules if isinstance(modules, list) else []
+
+
+def folder_task(path) -> str:
+    """What a model folder serves (module docstring): "embed", "rerank" or
+    "generate". A folder not on this machine generates (upstream's way)."""
+    folder = local_folder(path)
+    if folder is None:
+        return "generate"
+    if any(isinstance(m, dict) and m.get("type") == ST_POOLING for m in _modules(folder)):
+        return "embed"
+    if _pipeline_tag(folder) == "text-ranking":
+        return "rerank"
+    return "generate"
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """sentence-transformers' Pooling module and whether a Normalize module
+    follows it."""
+
+    mode: str = "lasttoken"  # a value of POOLING_MODES
+    normalize: bool = True
+    # False: mean and max pooling leave out the prompt's tokens (INSTRUCTOR).
+    include_prompt: bool = True
+
+    def __call__(self, hidden: mx.array, lengths: mx.array, starts: mx.array) -> mx.array:
+        """[B, L, H] hidden states of right-padded inputs -> [B, H] float32.
+        `lengths`: each input's tokens; `starts`: the first position pooled
+        (after a prompt left out; 0 otherwise)."""
+        hidden = hidden.astype(mx.float32)
+        rows = mx.arange(hidden.shape[0])
+        if self.mode == "cls":
+            pooled = hidden[:, 0]
+        elif self.mode == "lasttoken":
+            pooled = hidden[rows, lengths - 1]
+        else:
+            positions = mx.arange(hidden.shape[1])[None]
+            valid = (positions < lengths[:, None]) & (positions >= starts[:, None])
+            if self.mode == "max":
+                pooled = mx.where(valid[..., None], hidden, -mx.inf).max(axis=1)
+            else:
+                count = mx.maximum(valid.sum(axis=1, keepdims=True), 1).astype(mx.float32)
+                total = (hidden * valid[..., None]).sum(axis=1)
+                pooled = total / (count if self.mode == "mean" else mx.sqrt(count))
+        if self.normalize:
+            # (sentence-transformers' Normalize: F.normalize, eps 1e-12)
+            norm = mx.linalg.norm(pooled, axis=-1, keepdims=True)
+            pooled = pooled / mx.maximum(norm, 1e-12)
+        return pooled
+
+
+def read_pooling(folder: Path) -> Tuple[Pooling, Dict[str, str], Optional[str]]:
+    """An embedder folder's Pooling, its prompts (name -> text) and the
+    prompt used when a request names none. EmbedderError for what can't be
+    served as its card says (a Dense layer after pooling, weighted mean)."""
+    modules = _modules(folder)
+    types = [m.get("type") for m in modules if isinstance(m, dict)]
+    other = [t for t in types if t not in (ST_TRANSFORMER, ST_POOLING, ST_NORMALIZE)]
+    if other:
+        raise EmbedderError(f"{folder}: modules.json has {other}: only Transformer, Pooling "
+                            "and Normalize modules are served")
+    pooling_module = next(m for m in modules if isinstance(m, dict) and m.get("type") == ST_POOLING)
+    config = _json(folder / pooling_module.get("path", "") / "config.json") or {}
+    modes = [mode for key, mode in POOLING_MODES.items() if config.get(key)]
+    if config.get("pooling_mode_weightedmean_tokens") or len(modes) != 1:
+        raise EmbedderError(f"{folder}: its Pooling config asks for "
+                            f"{modes or 'no mode'}; one of {sorted(POOLING_MODES.values())} "
+                            "is served")
+    after = types[types.index(ST_POOLING) + 1:]
+    pooling = Pooling(mode=modes[0], normalize=ST_NORMALIZE in after,
+                      include_prompt=bool(config.get("include_prompt", True)))
+    st = _json(folder / "config_sentence_transformers.json") or {}
+    prompts = st.get("prompts") if isinstance(st.get("prompts"), dict) else {}
+    prompts = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)}
+    default = st.get("default_prompt_name")
+    return pooling, prompts, default if default in prompts else None
+
+
+def _hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer under mlx-lm's or mlx-embeddings' wrapper."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+@dataclass
+class Embedder:
+    """A loaded embedding or reranking model: `hidden(tokens, lengths)`
+    runs it on a right-padded batch; `pool` and `score` turn that into what
+    the endpoints answer."""
+
+    task: str  # "embed" or "rerank"
+    model: object  # mlx-lm's Model (decoder) or mlx-embeddings' (encoder)
+    tokenizer: object  # the Hugging Face tokenizer
+    decoder: bool
+    context_length: int
+    width: int  # the vectors' size (hidden size)
+    pooling: Pooling = field(default_factory=Pooling)
+    prompts: Dict[str, str] = field(default_factory=dict)
+    default_prompt: Optional[str] = None
+    yes_no: Optional[Tuple[int, int]] = None  # a reranker's "yes" and "no" token ids
+
+    def hidden(self, tokens: mx.array, lengths: mx.array, cache=None) -> mx.array:
+        """[B, L] token ids -> [B, L, H] last hidden states. `cache`: a
+        decoder's prompt cache, for an input run in chunks."""
+        if self.decoder:
+            return self.model.model(tokens, cache=cache)
+        mask = (mx.arange(tokens.shape[1])[None] < lengths[:, None]).astype(mx.float32)
+        return self.model(tokens, attention_mask=mask).last_hidden_state
+
+    def score(self, last_hidden: mx.array) -> mx.array:
+        """[B, H] hidden states at each prompt's last position -> [B]
+        P("yes") / (P("yes") + P("no")), in float32."""
+        model = self.model
+        if hasattr(model, "lm_head"):
+            logits = model.lm_head(last_hidden)
+        else:  # tied embeddings (mlx-lm's own models do this)
+            logits = model.model.embed_tokens.as_linear(last_hidden)
+        yes, no = self.yes_no
+        logits = logits.astype(mx.float32)
+        return mx.sigmoid(logits[:, yes] - logits[:, no])
+
+
+def _context_length(config: dict, tokenizer, decoder: bool) -> int:
+    """The longest input the model takes: its positions (XLM-RoBERTa's
+    are numbered from the padding id + 1), capped by the tokenizer's
+    model_max_length where that is set."""
+    n = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    if not decoder and config.get("model_type", "").replace("_", "-") == "xlm-roberta":
+        n -= int(config.get("pad_token_id", 1)) + 1
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10**7:
+        n = min(n, limit)
+    return int(n)
+
+
+def _single_token(tokenizer, text: str, folder) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise EmbedderError(f"{folder}: a reranker's tokenizer must have {text!r} as one "
+                            f"token (it has {ids})")
+    return ids[0]
+
+
+def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
+    """Load the model at `path` for `task` ("embed" or "rerank"): through
+    mlx-lm when `mlx_lm_has(path)`, else mlx-embeddings. Returns the
+    Embedder and the model's config. EmbedderError for a folder that can't
+    be served so (said before its weights are read)."""
+    folder = local_folder(path)
+    if folder is None:
+        raise EmbedderError(f"{path}: an embedding or reranking model must be a local folder "
+                            "or in the Hugging Face cache")
+    config = _json(folder / "config.json") or {}
+    decoder = bool(mlx_lm_has(path))
+    pooling, prompts, default_prompt = Pooling(), {}, None
+    if task == "embed" and (folder / "modules.json").is_file():
+        pooling, prompts, default_prompt = read_pooling(folder)
+    elif task == "embed":
+        logging.warning(f"{path}: no modules.json: served as an embedder with last-token "
+                        "pooling and L2 normalization, as --models-config's `task` says")
+    if not decoder and str(config.get("model_type")) not in ENCODER_TYPES:
+        raise EmbedderError(
+            f"{path}: model type {config.get('model_type')!r} is not served for {task}: "
+            f"decoders mlx-lm loads, and encoders of types {ENCODER_TYPES}")
+    if not decoder and task == "rerank":
+        raise EmbedderError(f"{path}: cross-encoder rerankers are not served (a decoder "
+                            "reranker such as Qwen3-Reranker is)")
+    if decoder:
+        from mlx_lm import load
+
+        model, wrapper = load(str(folder))
+        if not hasattr(model, "model"):
+            raise EmbedderError(f"{path}: {config.get('model_type')} models have no trunk "
+                                "(`model.model`) to take hidden states from")
+    else:
+        from mlx_embeddings.utils import load
+
+        model, wrapper = load(str(folder))
+    tokenizer = _hf_tokenizer(wrapper)
+    width = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
+    embedder = Embedder(task=task, model=model, tokenizer=tokenizer, decoder=decoder,
+                        context_length=_context_length(config, tokenizer, decoder),
+                        width=int(width or 0), pooling=pooling, prompts=prompts,
+                        default_prompt=default_prompt)
+    if task == "rerank":
+        embedder.yes_no = (_single_token(tokenizer, "yes", path),
+                           _single_token(tokenizer, "no", path))
+    return embedder, config

@@ -1,0 +1,164 @@
+"""/v1/embeddings and /v1/rerank requests, as the wire protocols hand them
+over, and their plan: each input as token ids for the model that serves it.
+
+Planned off the generation thread (a planning lane) once the model is
+loaded; a request for a model not loaded yet is planned at admission, by the
+same function. The generation thread only runs the model on the plan.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+from mlx_lm_plus.errors import PromptError
+from mlx_lm_plus.models.embedders import RERANK_INSTRUCTION, RERANK_PREFIX, RERANK_SUFFIX
+
+# A request's inputs and their tokens (OpenAI's limits for /v1/embeddings:
+# 2,048 inputs, 300,000 tokens a request).
+MAX_INPUTS = 2048
+MAX_REQUEST_TOKENS = 300_000
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    """POST /v1/embeddings, checked (protocols/embeddings.py)."""
+
+    model: str
+    inputs: Tuple[Union[str, Tuple[int, ...]], ...]  # texts, or token ids as given
+    encoding_format: str = "float"  # or "base64"
+    dimensions: Optional[int] = None
+    prompt_name: Optional[str] = None  # one of the model's prompts (sentence-transformers)
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    """POST /v1/rerank (and /rerank, /v2/rerank), checked."""
+
+    model: str
+    query: str
+    documents: Tuple[str, ...]
+    top_n: Optional[int] = None
+    return_documents: bool = False
+    instruction: Optional[str] = None
+
+
+EMBEDDING_REQUESTS = (EmbeddingsRequest, RerankRequest)
+
+
+@dataclass(frozen=True)
+class EmbeddingArgs:
+    """What the engine's scheduler reads of a request's arguments: the
+    model it names (mlx-lm's ModelDescription)."""
+
+    model: object
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """What the generation thread runs for one request: its inputs' token
+    ids, the position each input's pooling starts at (after a prompt left
+    out of it; 0 otherwise), and for which model and task."""
+
+    model_key: object
+    task: str  # "embed" or "rerank"
+    inputs: Tuple[Tuple[int, ...], ...]
+    starts: Tuple[int, ...]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(i) for i in self.inputs)
+
+
+def plan_embedding_request(lm, request) -> EmbeddingPlan:
+    """A request's plan for loaded model `lm` (a provider.LoadedModel).
+    PromptError when the model doesn't serve the request's endpoint: a chat
+    request for an embedder, an embedding request for a chat model."""
+    embedder = lm.embedder
+    name = getattr(request, "model", None)
+    if not isinstance(name, str):  # (a chat Request names its model in its args)
+        name = lm.key[0]
+    if not isinstance(request, EMBEDDING_REQUESTS):
+        raise PromptError(f"Model {name!r} is an embedding model: it serves "
+                          f"/v1/{'rerank' if embedder.task == 'rerank' else 'embeddings'}, "
+                          "not chat or text completions")
+    if embedder is None:
+        raise PromptError(f"Model {name!r} does not serve embeddings or reranking: it is "
+                          "a generation model (chat and text completions)")
+    if isinstance(request, RerankRequest):
+        return plan_rerank(embedder, lm.key, request)
+    vocab = lm.vocab_size
+    for i, given in enumerate(request.inputs):
+        if vocab is not None and not isinstance(given, str) and max(given) >= vocab:
+            raise PromptError(f"input[{i}] has token id {max(given)}, outside the model's "
+                              f"vocabulary of {vocab}")
+    return plan_embeddings(embedder, lm.key, request)
+
+
+def plan_embeddings(embedder, key, request: EmbeddingsRequest) -> EmbeddingPlan:
+    """Tokenize an /v1/embeddings request for `embedder` (PromptError: the
+    client's 400, naming the input)."""
+    if embedder.task != "embed":
+        raise PromptError(f"Model {request.model!r} is a reranker: it serves /v1/rerank, "
+                          "not /v1/embeddings")
+    if request.dimensions is not None and request.dimensions > embedder.width:
+        raise PromptError(f"dimensions={request.dimensions} is more than the model's "
+                          f"{embedder.width}")
+    name = request.prompt_name or embedder.default_prompt
+    if name is not None and name not in embedder.prompts:
+        raise PromptError(f"prompt_name {name!r} is not one of the model's prompts "
+                          f"({sorted(embedder.prompts) or 'it has none'})")
+    prompt = embedder.prompts.get(name, "") if name is not None else ""
+    tokenizer = embedder.tokenizer
+    # (sentence-transformers' include_prompt=False: the special tokens put
+    # before a text and the prompt's own tokens are left out of pooling)
+    skip = 0
+    if prompt and not embedder.pooling.include_prompt:
+        skip = _put_before(tokenizer) + len(tokenizer(prompt, add_special_tokens=False)[
+            "input_ids"])
+    texts = [(i, prompt + x) for i, x in enumerate(request.inputs) if isinstance(x, str)]
+    encoded = dict(zip([i for i, _ in texts], tokenizer(
+        [t for _, t in texts], add_special_tokens=True)["input_ids"] if texts else []))
+    inputs, starts = [], []
+    for i, given in enumerate(request.inputs):
+        ids = tuple(encoded[i]) if i in encoded else given
+        inputs.append(ids)
+        starts.append(min(skip, len(ids) - 1) if i in encoded else 0)
+    _check_sizes(inputs, embedder.context_length, "input")
+    return EmbeddingPlan(key, "embed", tuple(inputs), tuple(starts))
+
+
+def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
+    """A /v1/rerank request as one prompt per document (Qwen3-Reranker's
+    template: RERANK_PREFIX, the instruction, query and document,
+    RERANK_SUFFIX)."""
+    if embedder.task != "rerank":
+        raise PromptError(f"Model {request.model!r} is not a reranker: /v1/rerank needs "
+                          "a reranking model (GET /v1/models says which models rerank)")
+    instruction = request.instruction or RERANK_INSTRUCTION
+    texts = [f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {request.query}\n"
+             f"<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
+    ids = embedder.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    inputs = tuple(tuple(i) for i in ids)
+    _check_sizes(inputs, embedder.context_length, "document")
+    return EmbeddingPlan(key, "rerank", inputs, (0,) * len(inputs))
+
+
+def _put_before(tokenizer) -> int:
+    """How many special tokens the tokenizer puts before a text ([CLS] for
+    BERT, none for Qwen3-Embedding, which appends its EOS)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return next((k for k in range(len(full)) if full[k:k + len(plain)] == plain), 0)
+
+
+def _check_sizes(inputs, context: int, what: str) -> None:
+    total = 0
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise PromptError(f"The {what} at index {i} has no tokens")
+        if len(ids) > context:
+            raise PromptError(f"The {what} at index {i} has {len(ids)} tokens, more than "
+                              f"the model's context of {context} tokens")
+        total += len(ids)
+    if total > MAX_REQUEST_TOKENS:
+        raise PromptError(f"The request's {len(inputs)} {what}s have {total} tokens in all, "
+                          f"more than {MAX_REQUEST_TOKENS} a request")

@@ -1,0 +1,75 @@
+"""Which task a model folder serves, and sentence-transformers' pooling as
+its config says (models/embedders.py), against numpy written here."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm_plus.models.embedders import (
+    EmbedderError, Pooling, folder_task, load_embedder, read_pooling,
+)
+from mlx_lm_plus.models.provider import _mlx_lm_has
+from mlx_lm_plus.models.served import read_models_config
+
+
+def test_the_folder_says_what_it_serves(fixture_path):
+    assert folder_task(fixture_path("qwen3_embed")) == "embed"
+    assert folder_task(fixture_path("bert_embed")) == "embed"
+    assert folder_task(fixture_path("qwen3_rerank")) == "rerank"
+    assert folder_task(fixture_path("qwen3")) == "generate"
+    assert folder_task("no/such-repo") == "generate"
+
+
+def test_pooling_follows_the_config(fixture_path):
+    pooling, prompts, default = read_pooling(fixture_path("qwen3_embed"))
+    assert pooling == Pooling("lasttoken", normalize=True, include_prompt=True)
+    assert prompts["query"].startswith("Instruct:") and default is None
+    assert read_pooling(fixture_path("bert_embed"))[0] == Pooling("mean", True)
+    assert read_pooling(fixture_path("bert_cls"))[0] == Pooling("cls", False)
+
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "lasttoken", "mean_sqrt_len"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_each_pooling_mode_against_numpy(mode, normalize):
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(3, 7, 5)).astype(np.float32)
+    lengths, starts = np.array([7, 3, 5]), np.array([0, 1, 2])
+    got = np.array(Pooling(mode, normalize, include_prompt=False)(
+        mx.array(hidden), mx.array(lengths), mx.array(starts)))
+    for row in range(3):
+        kept = hidden[row, starts[row]:lengths[row]]
+        want = {"cls": hidden[row, 0], "lasttoken": hidden[row, lengths[row] - 1],
+                "mean": kept.mean(axis=0), "max": kept.max(axis=0),
+                "mean_sqrt_len": kept.sum(axis=0) / np.sqrt(len(kept))}[mode]
+        if normalize:
+            want = want / np.linalg.norm(want)
+        np.testing.assert_allclose(got[row], want, atol=1e-6)
+
+
+def test_what_cant_be_served_is_said_at_load(fixture_path, tmp_path):
+    dense = tmp_path / "dense"
+    shutil.copytree(fixture_path("bert_embed"), dense)
+    modules = json.loads((dense / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense",
+                       "type": "sentence_transformers.models.Dense"})
+    (dense / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(EmbedderError, match="Dense"):
+        load_embedder(str(dense), "embed", _mlx_lm_has)
+    with pytest.raises(EmbedderError, match="cross-encoder"):
+        load_embedder(str(fixture_path("bert_embed")), "rerank", _mlx_lm_has)
+    with pytest.raises(EmbedderError, match="local folder"):
+        load_embedder("no/such-repo", "embed", _mlx_lm_has)
+
+
+def test_models_config_task(tmp_path, fixture_path):
+    config = tmp_path / "m.json"
+    config.write_text(json.dumps({"models": [
+        {"path": str(fixture_path("qwen3")), "name": "as-embedder", "task": "embed"}]}))
+    assert read_models_config(config)[0].task == "embed"
+    for bad in ({"task": "classify"}, {"task": "embed", "draft_model": "x"}):
+        config.write_text(json.dumps({"models": [{"path": "p", **bad}]}))
+        with pytest.raises(ValueError, match="task|embedding"):
+            read_models_config(config)
