@@ -2,6 +2,7 @@
 
     python -m benchmarks.fuzz --examples 5000 [--kind qwen3] [--seed N]
                               [--allow-model-loading] [--model PATH] [--json out.json]
+    python -m benchmarks.fuzz --embedders     # a chat model, an embedder and a reranker
 
 Generates request bodies for every endpoint: completions bodies (every field
 the server reads, set to valid values, to values of every JSON type, to
@@ -10,7 +11,12 @@ tiny real images), raw bodies (invalid JSON, non-UTF-8, empty, 10**5000,
 NaN/Infinity literals, deep nesting, JSON that is not an object), bodies
 of every protocol (chat, Messages, Responses; streamed or not) nesting
 arrays at the server's bound and at json's own limit, and
-GET/DELETE/OPTIONS/POST on the other routes. Every FLOOD_EVERY batches, a
+GET/DELETE/OPTIONS/POST on the other routes. With --embedders the server
+serves testkit/bad_input.py's EMBEDDING_SERVED (the chat fixture, an
+embedder, a reranker), and /v1/embeddings and the rerank paths get bodies
+too: every field valid, mutated to any JSON value, floods of 2,000 or more
+inputs or documents, raw bodies nesting each field at the parser's edge,
+and completions that name an embedder. Every FLOOD_EVERY batches, a
 schema flood: FLOOD_SCHEMAS large distinct schemas at once, and a plain
 request behind them that must be answered within FLOOD_PLAIN_SECONDS. One request in five carries an
 odd header (Origin, Host, Content-Encoding...), one in eight sends its body
@@ -20,6 +26,9 @@ odd header (Origin, Host, Content-Encoding...), one in eight sends its body
     method" for DELETE/PUT/... on a path that doesn't take it), never a
     dropped connection, never a timeout (the client waits TIMEOUT seconds);
   * the body is strict JSON (no NaN/Infinity), with a string `error` on a 4xx;
+    a 200 embeddings answer has a vector per input, of `dimensions` values;
+    a 200 rerank answer has top_n results at most, best first, each
+    scored in [0, 1] with a document's index (and its text by default);
     a 200 stream is SSE lines `data: <json>` / `data: [DONE]` / `: comment`,
     ending with [DONE] and without an error event (Messages and Responses:
     `event:` blocks ending with message_stop / response.completed or
@@ -30,7 +39,9 @@ odd header (Origin, Host, Content-Encoding...), one in eight sends its body
     /metrics is Prometheus text and /dashboard HTML;
   * GET /health is 200 after every request;
   * every CHECK_EVERY requests, fixed greedy requests (a chat and a text
-    completion) get exactly the text they got at the start.
+    completion; with --embedders, an embeddings and a rerank request too)
+    get exactly the text (the first values, to 4 decimals) they got at the
+    start.
 
 A failure does not stop the run: each distinct one (by kind, status and the
 exception the server logged) is kept with the smallest body that showed it,
@@ -68,6 +79,7 @@ from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, setti
 from hypothesis import strategies as st
 
 from compat.launch import OURS, ServerProcess
+from testkit.bad_input import EMBED_MODEL, EMBEDDINGS, RERANK_MODEL, RERANK_PATHS
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -267,6 +279,9 @@ class Context:
     """What the strategies know about the server under test."""
 
     model: Optional[str] = None  # the --model folder (a valid `model` value)
+    # The server serves testkit/bad_input.py's EMBEDDING_SERVED: the
+    # embedding endpoints have a model to run.
+    embeddings: bool = False
 
 
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": weird_text()})
@@ -464,6 +479,13 @@ def completion_body(ctx: Context, path: str) -> st.SearchStrategy:
 # -- cases -----------------------------------------------------------------------
 
 NO_BODY = object()
+# The valid fields a raw body of each endpoint kind starts with (the
+# recipe's field comes after, and wins: json keeps a key's last value).
+RAW_VALID = {
+    "": '"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 2',
+    "embed": f'"model": "{EMBED_MODEL}", "input": ["hi", "the sea"]',
+    "rerank": f'"model": "{RERANK_MODEL}", "query": "boats", "documents": ["a boat", "the sea"]',
+}
 
 
 @dataclass(frozen=True)
@@ -474,10 +496,11 @@ class Raw:
     n: int = 0
     field: str = "max_tokens"
     text: str = ""
+    endpoint: str = ""  # a key of RAW_VALID: completions, embed or rerank
 
     def data(self) -> bytes:
         n, f = self.n, self.field
-        valid = '"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 2'
+        valid = RAW_VALID[self.endpoint]
         if self.kind == "deep_array":
             return b"[" * n + b"]" * n
         if self.kind == "deep_object":
@@ -497,7 +520,7 @@ class Raw:
             return ('{%s, "%s": %s}' % (valid, f, self.text)).encode()
         if self.kind == "escape_in_field":
             # JSON string escapes Python turns into lone surrogates, NUL...
-            if f in ("messages",):
+            if f in ("messages",) and not self.endpoint:
                 return ('{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 2}'
                         % self.text).encode()
             return ('{%s, "%s": "%s"}' % (valid, f, self.text)).encode()
@@ -539,7 +562,8 @@ class Raw:
             return f'{{..., {n} keys}}'
         data = self.data()
         if self.kind in ("deep_in_field", "big_int_in_field"):
-            return f"{self.kind}: field {self.field!r}, n={n}: {data[:160]!r}..."
+            return (f"{self.kind}: field {self.field!r}, n={n}"
+                    f"{' (' + self.endpoint + ')' if self.endpoint else ''}: {data[:160]!r}...")
         return repr(data[:400]) + ("..." if len(data) > 400 else "")
 
 
@@ -664,7 +688,8 @@ class Case:
 
 
 KNOWN_ROUTES = ("/v1/models", "/health", "/v1/cache/stats", "/v1/stats", "/metrics",
-                "/dashboard", "/v1/cache", *COMPLETION_PATHS, MESSAGES, RESPONSES)
+                "/dashboard", "/v1/cache", *COMPLETION_PATHS, MESSAGES, RESPONSES, EMBEDDINGS,
+                *RERANK_PATHS)
 HEADERS = [
     (("Origin", "http://evil.example"),), (("Origin", "null"),),
     (("Sec-Fetch-Site", "cross-site"),), (("Host", "evil.example"),),
@@ -688,7 +713,8 @@ def route_cases(draw) -> Case:
     method = draw(st.sampled_from(["GET", "GET", "GET", "DELETE", "OPTIONS", "POST"]))
     route = draw(st.sampled_from(["/v1/models", "/health", "/v1/cache/stats", "/v1/stats",
                                   "/metrics", "/dashboard", "/v1/cache", "/v1/models/",
-                                  "other", "models-sub", "stats-query"]))
+                                  EMBEDDINGS, "/rerank", "other", "models-sub",
+                                  "stats-query"]))
     if route == "other":
         route = "/" + draw(st.one_of(
             st.sampled_from(["", "v1", "v1/", "v1/chat", "v2/chat/completions", "V1/models",
@@ -736,16 +762,174 @@ def deep_cases(draw) -> Case:
     return Case("POST", DEEP_PATHS[protocol], raw=raw, headers=draw(headers))
 
 
+# -- embeddings and rerank ------------------------------------------------------
+
+EMBEDDING_FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "prompt_name")
+RERANK_FIELDS = ("model", "query", "documents", "top_n", "return_documents", "instruction")
+# The embedder's (testkit/bad_input.py EMBEDDING_SERVED: bert_embed) width
+# and vocabulary: valid `dimensions` and token ids stay within them.
+EMBED_WIDTH, EMBED_VOCAB = 64, 195
+
+token_ids = st.lists(st.integers(0, EMBED_VOCAB - 1), min_size=1, max_size=40)
+# Texts the tokenizers see: never longer than a few hundred tokens (the
+# reranker runs every document's prompt through a 32k context).
+embed_texts = weird_text(max_size=24, long=120)
+document = st.one_of(embed_texts, st.fixed_dictionaries({"text": embed_texts}))
+
+
+def embedding_values() -> Dict[str, st.SearchStrategy]:
+    """Values each embeddings and rerank field accepts."""
+    return {
+        "model": st.just(EMBED_MODEL),
+        "input": st.one_of(embed_texts, st.lists(embed_texts, min_size=1, max_size=8),
+                           token_ids, st.lists(token_ids, min_size=1, max_size=4)),
+        "encoding_format": st.sampled_from(["float", "base64"]),
+        "dimensions": st.integers(1, EMBED_WIDTH),
+        "user": weird_text(12),
+        "prompt_name": st.none(),  # (the embedder's folder names no prompts)
+        "query": embed_texts,
+        "documents": st.lists(document, min_size=1, max_size=6),
+        "top_n": st.integers(1, 8),
+        "return_documents": st.booleans(),
+        "instruction": embed_texts,
+    }
+
+
+def embedding_anything() -> Dict[str, st.SearchStrategy]:
+    """Anything for each field, and the values nearest the valid ones that
+    are not (ids past the vocabulary, negative, bools; names of the other
+    models; documents without a text)."""
+    base = st.one_of(json_values, numbers, weird_text())
+    ids = st.lists(st.one_of(st.integers(), st.booleans(), numbers, st.sampled_from(
+        [EMBED_VOCAB - 1, EMBED_VOCAB, -1, 2**63, 10**30])), min_size=0, max_size=5)
+    near = {
+        "model": st.one_of(st.sampled_from([EMBED_MODEL, RERANK_MODEL, "chat", "default_model",
+                                            "", None, [EMBED_MODEL]]), long_text()),
+        "input": st.one_of(ids, st.lists(st.one_of(ids, embed_texts, json_values), max_size=4)),
+        "dimensions": st.one_of(numbers, st.integers(EMBED_WIDTH - 1, EMBED_WIDTH + 2)),
+        "encoding_format": st.sampled_from(["float", "base64", "int8", "FLOAT", "", None]),
+        "prompt_name": st.one_of(st.sampled_from(["query", "document", ""]), long_text()),
+        "documents": st.lists(st.one_of(document, json_values, st.dictionaries(
+            st.sampled_from(["text", "content", "title"]), json_values, max_size=2)),
+            max_size=4),
+        "top_n": numbers,
+        "return_documents": st.one_of(st.booleans(), json_values),
+    }
+    return {f: st.one_of(base, near[f]) if f in near else base
+            for f in EMBEDDING_FIELDS + RERANK_FIELDS}
+
+
+def embedding_body(task: str) -> st.SearchStrategy:
+    """/v1/embeddings (task "embed") or rerank bodies: valid ones, one field
+    mutated, chaos, and floods: 2,000 inputs or documents or more (the
+    bound is 2,048), and lists of thousands of token ids."""
+    valid, anything = embedding_values(), embedding_anything()
+    fields = EMBEDDING_FIELDS if task == "embed" else RERANK_FIELDS
+    needed = ("input",) if task == "embed" else ("query", "documents")
+    model = EMBED_MODEL if task == "embed" else RERANK_MODEL
+
+    @st.composite
+    def valid_body(draw):
+        body = {"model": model, **{f: draw(valid[f]) for f in needed}}
+        optional = [f for f in fields if f not in needed and f != "model"]
+        for f in draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)):
+            body[f] = draw(valid[f])
+        return body
+
+    @st.composite
+    def one_mutation(draw):
+        body = draw(valid_body())
+        f = draw(st.sampled_from(fields + ("extra", "")))
+        body[f] = draw(anything.get(f, json_values))
+        return body
+
+    @st.composite
+    def chaos(draw):
+        body = {}
+        for f in draw(st.lists(st.sampled_from(fields), max_size=6, unique=True)):
+            body[f] = draw(st.one_of(valid[f], anything[f]))
+        body.update(draw(st.dictionaries(weird_text(8), json_values, max_size=2)))
+        return body
+
+    @st.composite
+    def flood(draw):
+        body = draw(valid_body())
+        n = draw(st.one_of(st.sampled_from([2047, 2048, 2049, 4096, 20_000]),
+                           st.integers(2000, 2100)))
+        if task == "embed":
+            unit = draw(st.one_of(embed_texts.filter(bool), token_ids.map(lambda t: t[:2])))
+            body["input"] = draw(st.sampled_from([[unit] * n, [5] * n, [[5]] * n]))
+        else:
+            # (2,000 documents of the reranker's ~170-token prompt are past
+            # the 300,000 tokens of a request: refused before any forward pass)
+            body["documents"] = [draw(document)] * n
+        return body
+
+    return st.one_of(valid_body(), valid_body(), valid_body(), one_mutation(), one_mutation(),
+                     one_mutation(), chaos(), flood(), json_values)
+
+
+embedding_raw_fields = {"embed": st.sampled_from(EMBEDDING_FIELDS + ("x",)),
+                        "rerank": st.sampled_from(RERANK_FIELDS + ("x",))}
+
+
+def embedding_raw(task: str) -> st.SearchStrategy:
+    """Raw bodies of an embedding endpoint: each field nesting arrays at
+    the parser's bound and at json's edge, NaN/Infinity, big integers and
+    odd escapes in each field."""
+    fields = embedding_raw_fields[task]
+    return st.one_of(
+        st.builds(Raw, st.just("deep_in_field"), deep_sizes, fields, endpoint=st.just(task)),
+        st.builds(Raw, st.just("big_int_in_field"), raw_sizes, fields, endpoint=st.just(task)),
+        st.builds(Raw, st.just("literal_in_field"), st.just(0), fields,
+                  st.sampled_from(LITERALS), endpoint=st.just(task)),
+        st.builds(Raw, st.just("escape_in_field"), st.just(0), fields,
+                  st.sampled_from(ESCAPES), endpoint=st.just(task)),
+        st.builds(Raw, st.just("many_keys"), st.integers(0, 50_000), endpoint=st.just(task)),
+    )
+
+
+def embedding_cases(ctx: Context = Context()) -> st.SearchStrategy:
+    """/v1/embeddings and the rerank paths (JSON bodies and raw ones), and
+    completions, Messages and Responses bodies naming the embedder or the
+    reranker (each refuses them)."""
+    kinds = {
+        "embed": st.builds(Case, st.just("POST"), st.just(EMBEDDINGS), embedding_body("embed"),
+                           headers=headers, split=splits),
+        "rerank": st.builds(Case, st.just("POST"), st.sampled_from(RERANK_PATHS),
+                            embedding_body("rerank"), headers=headers, split=splits),
+        "raw": st.one_of(
+            st.builds(Case, st.just("POST"), st.just(EMBEDDINGS), raw=embedding_raw("embed"),
+                      headers=headers),
+            st.builds(Case, st.just("POST"), st.sampled_from(RERANK_PATHS),
+                      raw=embedding_raw("rerank"), headers=headers)),
+        "wrong model": st.builds(
+            lambda path, body, model: Case("POST", path, {**body, "model": model}
+                                           if isinstance(body, dict) else body),
+            st.sampled_from([CHAT, TEXT]), completion_body(ctx, CHAT),
+            st.sampled_from([EMBED_MODEL, RERANK_MODEL])) | st.builds(
+            lambda path, body, model: Case("POST", path, {**body, "model": model}),
+            st.sampled_from([MESSAGES, RESPONSES]), st.sampled_from([
+                {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                {"max_output_tokens": 2, "input": "hi", "stream": True}]),
+            st.sampled_from([EMBED_MODEL, RERANK_MODEL])),
+    }
+    return st.sampled_from(["embed", "embed", "rerank", "rerank", "raw",
+                            "wrong model"]).flatmap(kinds.__getitem__)
+
+
 def cases(ctx: Context = Context()) -> st.SearchStrategy:
     """Every kind of request: mostly completions bodies, then raw bodies and
-    the other routes."""
+    the other routes (and, where the server serves the embedders, the
+    embedding endpoints' bodies)."""
     # About 2/3 completions, 2/9 raw bodies, 1/9 other routes. (st.one_of
     # would flatten the branches of completion_cases into its own, and
     # hypothesis does not repeat a case, so the smaller spaces get more weight.)
     kinds = {"completion": completion_cases(ctx), "raw": raw_cases(), "route": route_cases(),
-             "deep": deep_cases()}
-    return st.sampled_from(["raw", "raw", "raw", "route", "completion", "completion",
-                            "deep"]).flatmap(kinds.__getitem__)
+             "deep": deep_cases(), "embedding": embedding_cases(ctx)}
+    return st.sampled_from(["raw", "raw", "raw", "route", "completion", "completion", "deep"]
+                           + ["embedding"] * (2 if ctx.embeddings else 0)
+                           ).flatmap(kinds.__getitem__)
 
 
 # -- sending and judging --------------------------------------------------------
@@ -905,8 +1089,63 @@ def judge(case: Case, out: Outcome) -> Optional[Problem]:
         used = (obj.get("usage") or {}).get("completion_tokens", 0)
         if used > token_limit(case):
             return Problem("more tokens than max_tokens", f"{used} > {token_limit(case)}")
+    elif case.method == "POST" and route in (EMBEDDINGS, *RERANK_PATHS):
+        try:
+            return judge_embedding(route, case, obj)
+        except (AttributeError, KeyError, TypeError, IndexError) as e:
+            return Problem("malformed embedding answer", f"{e!r}: {_excerpt(data)}")
     elif not isinstance(obj, dict):
         return Problem("JSON that is not an object", _excerpt(data))
+    return None
+
+
+def judge_embedding(route: str, case: Case, obj: dict) -> Optional[Problem]:
+    """A 200 from /v1/embeddings: a vector per input, in order, each of
+    `dimensions` values where asked (floats, or base64 of float32). From a
+    rerank path: top_n results at most, best first, scores in [0, 1],
+    distinct indices of the documents, each document's text unless
+    return_documents is false. (KeyError and the like: malformed.)"""
+    body = case.body if isinstance(case.body, dict) else None
+    if route == EMBEDDINGS:
+        data = obj["data"]
+        widths = set()
+        for i, item in enumerate(data):
+            vector = item["embedding"]
+            if item["index"] != i:
+                return Problem("embeddings out of order", f"data[{i}].index {item['index']}")
+            widths.add(len(base64.b64decode(vector)) // 4 if isinstance(vector, str)
+                       else len(vector))
+        given = body.get("input") if body else None
+        if isinstance(given, list) and given and not all(isinstance(t, int) for t in given):
+            if len(data) != len(given):
+                return Problem("a vector per input", f"{len(data)} vectors, {len(given)} inputs")
+        elif body is not None and len(data) != 1:
+            return Problem("a vector per input", f"{len(data)} vectors for one input")
+        dimensions = body.get("dimensions") if body else None
+        if len(widths) > 1 or (dimensions is not None and widths != {dimensions}):
+            return Problem("vectors of the wrong width", f"{sorted(widths)}, asked {dimensions}")
+        return None
+    results = obj["results"]
+    scores = [r["relevance_score"] for r in results]
+    if any(not 0 <= s <= 1 for s in scores) or scores != sorted(scores, reverse=True):
+        return Problem("rerank scores", f"not in [0, 1], best first: {scores[:10]}")
+    if body is None:
+        return None
+    documents = body["documents"]
+    top_n = body.get("top_n")
+    if len(results) != min(len(documents), top_n or len(documents)):
+        return Problem("rerank results", f"{len(results)} for {len(documents)} documents, "
+                       f"top_n {top_n}")
+    indices = [r["index"] for r in results]
+    if len(set(indices)) != len(indices) or not all(0 <= i < len(documents) for i in indices):
+        return Problem("rerank results", f"indices {indices[:10]}")
+    for r in results:
+        doc = documents[r["index"]]
+        text = doc["text"] if isinstance(doc, dict) else doc
+        if body.get("return_documents", True) and r["document"] != {"text": text}:
+            return Problem("rerank results", f"document {r['index']} is {r['document']!r}")
+        if not body.get("return_documents", True) and "document" in r:
+            return Problem("rerank results", "a document with return_documents false")
     return None
 
 
@@ -1076,6 +1315,29 @@ CANARIES = [
     (TEXT, {"prompt": "The river and the sea", "max_tokens": 8, "temperature": 0.0,
             "stream": True}),
 ]
+# Where the server serves the embedders: their answers to fixed requests,
+# the first values to 4 decimals. (Each runs alone, as the fuzzer sends one
+# request at a time: the same batch every time, the same numbers.)
+EMBEDDING_CANARIES = [
+    (EMBEDDINGS, {"model": EMBED_MODEL, "input": ["Tell me about boats.", "the river"]}),
+    ("/v1/rerank", {"model": RERANK_MODEL, "query": "boats",
+                    "documents": ["a boat on the sea", "the river", "a green light"]}),
+]
+
+
+def canary_text(path: str, body: dict, data: bytes) -> str:
+    """What a canary's answer is compared by."""
+    if path == EMBEDDINGS:
+        return " | ".join(" ".join(f"{v:.4f}" for v in item["embedding"][:8])
+                          for item in json.loads(data)["data"])
+    if path in RERANK_PATHS:
+        return " ".join(f"{r['index']}:{r['relevance_score']:.4f}"
+                        for r in json.loads(data)["results"])
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in data.decode().split("\n")
+                  if line.startswith("data: {")]
+        return "".join(e["choices"][0].get("text") or "" for e in events)
+    return json.loads(data)["choices"][0]["message"]["content"]
 
 
 class Fuzzer:
@@ -1087,8 +1349,11 @@ class Fuzzer:
 
     def __init__(self, server: ServerProcess, *, check_every: int = CHECK_EVERY,
                  timeout: float = TIMEOUT, log: Callable[[str], None] = lambda s: None,
-                 flood_every: int = FLOOD_EVERY, flood_schemas: int = FLOOD_SCHEMAS):
+                 flood_every: int = FLOOD_EVERY, flood_schemas: int = FLOOD_SCHEMAS,
+                 embeddings: bool = False):
         self.server = server
+        # (embeddings: the server serves testkit/bad_input.py's EMBEDDING_SERVED)
+        self.canaries = CANARIES + (EMBEDDING_CANARIES if embeddings else [])
         self.check_every = check_every
         self.flood_every = flood_every  # batches between two floods (0: none)
         self.flood_schemas = flood_schemas
@@ -1139,19 +1404,13 @@ class Fuzzer:
 
     def canary(self) -> List[str]:
         texts = []
-        for path, body in CANARIES:
+        for path, body in self.canaries:
             out = send(self.server, Case("POST", path, body), timeout=self.timeout)
             if out.error is not None or out.status != 200:
                 texts.append(f"<{out.error or out.status}: {_excerpt(out.data, 200)}>")
                 continue
             try:
-                if body.get("stream"):
-                    events = [json.loads(line[6:]) for line in out.data.decode().split("\n")
-                              if line.startswith("data: {")]
-                    texts.append("".join(e["choices"][0].get("text") or "" for e in events))
-                else:
-                    choice = json.loads(out.data)["choices"][0]
-                    texts.append(choice["message"]["content"])
+                texts.append(canary_text(path, body, out.data))
             except Exception as e:  # noqa: BLE001 - reported as the canary's text
                 texts.append(f"<unreadable: {e!r}>")
         return texts
@@ -1565,12 +1824,15 @@ def run(fuzzer: Fuzzer, examples: int, *, seed: Optional[int] = None,
     one()
 
 
-def corpus_cases() -> List[Case]:
-    """testkit/bad_input.py's hand-written corpus, tried first."""
-    from testkit.bad_input import CASES
+def corpus_cases(corpora=("chat",)) -> List[Case]:
+    """testkit/bad_input.py's hand-written corpora, tried first: "chat"
+    (CASES) and "embeddings" (EMBEDDINGS_CASES and RERANK_CASES, for a
+    server serving its EMBEDDING_SERVED)."""
+    from testkit.bad_input import CASES, EMBEDDINGS_CASES, RERANK_CASES
 
+    chosen = {"chat": CASES, "embeddings": EMBEDDINGS_CASES + RERANK_CASES}
     out = []
-    for path, body in CASES:
+    for path, body in [case for name in corpora for case in chosen[name]]:
         if isinstance(body, bytes):
             out.append(Case("POST", path, raw=Raw("bytes", text=body.decode("latin-1"))))
         else:
@@ -1578,9 +1840,25 @@ def corpus_cases() -> List[Case]:
     return out
 
 
-def server_for(model: str, log: Path, extra: List[str] = ()) -> ServerProcess:
-    return ServerProcess(OURS, ["--model", model, *SERVER_FLAGS, *extra], log=log,
-                         env=SERVER_ENV)
+def server_for(model: Optional[str], log: Path, extra: List[str] = (),
+               models_config: Optional[Path] = None) -> ServerProcess:
+    """The server under test: `model`, or a --models-config's models."""
+    served = ["--models-config", str(models_config)] if models_config else ["--model", model]
+    return ServerProcess(OURS, [*served, *SERVER_FLAGS, *extra], log=log, env=SERVER_ENV)
+
+
+def fixture_builder(root: Path) -> Callable[[str], Path]:
+    """kind -> its fixture's folder under `root`, built on first use (chat,
+    vision and embedding kinds)."""
+    from testkit.embedding_fixtures import EMBEDDING_KINDS, build_embedding_fixture
+    from testkit.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
+
+    def build(kind):
+        if kind in EMBEDDING_KINDS:
+            return build_embedding_fixture(kind, root)
+        return (build_vision_fixture if kind in VISION_KINDS else build_fixture)(kind, root)
+
+    return build
 
 
 def main(argv=None) -> int:
@@ -1596,6 +1874,10 @@ def main(argv=None) -> int:
                         help="hypothesis seed (default: random; printed)")
     parser.add_argument("--allow-model-loading", action="store_true",
                         help="start the server with --allow-model-loading")
+    parser.add_argument("--embedders", action="store_true",
+                        help="serve testkit/bad_input.py's EMBEDDING_SERVED (the qwen3 chat "
+                        "fixture, an embedder, a reranker; not --kind or --model) and fuzz "
+                        "/v1/embeddings and the rerank paths too")
     parser.add_argument("--server-args", default="", help="more server flags")
     parser.add_argument("--check-every", type=int, default=CHECK_EVERY,
                         help="requests between canary checks (/health: after every one)")
@@ -1618,34 +1900,39 @@ def main(argv=None) -> int:
     os.environ.update(SERVER_ENV)
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     work = Path(tempfile.mkdtemp(prefix="fuzz-"))
-    if args.model:
+    root = Path(args.fixtures or os.environ.get("MLX_LM_PLUS_FIXTURES") or work)
+    root.mkdir(parents=True, exist_ok=True)
+    models_config = None
+    if args.embedders:
+        from testkit.bad_input import EMBEDDING_SERVED, models_config_file
+
+        build = fixture_builder(root)
+        models_config = models_config_file(build, work)
+        model = str(build(EMBEDDING_SERVED["chat"]))  # (the default model)
+    elif args.model:
         model = args.model
     else:
-        from testkit.fixtures import VISION_KINDS, build_fixture, build_vision_fixture
-
-        root = Path(args.fixtures or os.environ.get("MLX_LM_PLUS_FIXTURES") or work)
-        root.mkdir(parents=True, exist_ok=True)
-        build = build_vision_fixture if args.kind in VISION_KINDS else build_fixture
-        model = str(build(args.kind, root))
+        model = str(fixture_builder(root)(args.kind))
     extra = (["--allow-model-loading"] if args.allow_model_loading else []) + shlex.split(
         args.server_args)
     log = Path(args.log) if args.log else work / "server.log"
-    server = server_for(model, log, extra)
+    server = server_for(model, log, extra, models_config=models_config)
     print(f"fuzz: {args.examples} examples, seed {seed}, model {model}\n"
           f"server: {' '.join(server.command)}\nserver log: {log}", flush=True)
 
     fuzzer = Fuzzer(server, check_every=args.check_every, timeout=args.timeout,
-                    log=lambda s: print(s, flush=True), flood_every=args.flood_every)
+                    log=lambda s: print(s, flush=True), flood_every=args.flood_every,
+                    embeddings=args.embedders)
     start = time.monotonic()
     with server:
         baseline = fuzzer.start()
         print(f"canary answers: {baseline}", flush=True)
         if not args.no_corpus:
-            corpus = corpus_cases()
+            corpus = corpus_cases(("chat", "embeddings") if args.embedders else ("chat",))
             print(f"corpus: {len(corpus)} cases from testkit/bad_input.py", flush=True)
             for case in corpus:
                 fuzzer.try_case(case)
-        ctx = Context(model=model)
+        ctx = Context(model=model, embeddings=args.embedders)
         run(fuzzer, args.examples, seed=seed, ctx=ctx, progress_every=500)
         fuzzer.finish()
         fuzz_seconds = time.monotonic() - start

@@ -5,6 +5,7 @@ inputs mixed in and a prompt cache small enough to evict all the time.
 
     python -m benchmarks.soak --minutes 30
     python -m benchmarks.soak --minutes 30 --kind hybrid --clients 16 --json soak.json
+    python -m benchmarks.soak --minutes 30 --embedders    # embedding traffic too
 
 The server runs as a subprocess with a small --prompt-cache-bytes. Before the
 load, every prompt (single-turn chats sharing a system prompt, multi-turn
@@ -20,6 +21,12 @@ prefix) is sent alone, greedy, and its reply kept as the reference. Then
   (chat completions, Messages, Responses), and bodies nesting arrays past
   the server's bound and at json's own limit, streamed or not (probability
   --bad-rate), which must be answered 4xx with the protocol's JSON error.
+
+Where the server serves testkit/bad_input.py's embedder and reranker (by
+their names there, "embed" and "rerank": --embedders serves them beside the
+chat model), embeddings and rerank requests join the prompts (their
+reference: their answer alone; under load, batched with others, they must
+come back within 1e-4 of it) and the embedding corpora join the bad inputs.
 
 Beside them, every --flood-every seconds, a schema flood: --flood-schemas
 requests with large distinct response_format schemas at once, each of
@@ -51,9 +58,11 @@ Exits 1 when the verdict fails.
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -65,6 +74,7 @@ import aiohttp
 from benchmarks.fuzz import error_message
 from benchmarks.load import SYSTEM, TOPICS, clear_and_measure, load_prompts, stream_reply
 from benchmarks.load import rss_bytes as proc_rss_bytes
+from testkit.bad_input import RERANK_PATHS
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -86,18 +96,22 @@ def rss_bytes(pid: int) -> Optional[int]:
         return None
 
 
-def bad_inputs() -> List[tuple]:
+def bad_inputs(embeddings: bool = False) -> List[tuple]:
     """(path, raw body) of the bad-input corpora, less the cases that name a
     host other than loopback (the soak sends traffic to 127.0.0.1 only),
-    and the bodies nesting too deep on every protocol."""
+    and the bodies nesting too deep on every protocol; `embeddings`: the
+    embedding and rerank corpora too."""
     from benchmarks.fuzz import DEEP_PATHS, MAX_JSON_DEPTH, Raw
-    from testkit.bad_input import CASES, MESSAGES_CASES, RESPONSES_CASES
+    from testkit.bad_input import (
+        CASES, EMBEDDINGS_CASES, MESSAGES_CASES, RERANK_CASES, RESPONSES_CASES,
+    )
 
     deep = [(DEEP_PATHS[protocol], Raw("deep_echo", n, protocol, stream).data())
             for protocol in DEEP_PATHS for stream in ("", "stream")
             for n in (MAX_JSON_DEPTH + 1, 966, 990)]
     cases = []
-    for path, body in [*CASES, *MESSAGES_CASES, *RESPONSES_CASES, *deep]:
+    embedding = [*EMBEDDINGS_CASES, *RERANK_CASES] if embeddings else []
+    for path, body in [*CASES, *MESSAGES_CASES, *RESPONSES_CASES, *deep, *embedding]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         if b"http://" in raw or b"https://" in raw:
             if b"127.0.0.1" not in raw:
@@ -159,10 +173,78 @@ async def build_items(session, url, max_tokens: int, conversations: int = 3,
     return items
 
 
+async def serves_embedders(session, url) -> bool:
+    """Whether the server serves testkit/bad_input.py's embedder and
+    reranker, by those names (GET /v1/models says each model's task)."""
+    from testkit.bad_input import EMBED_MODEL, RERANK_MODEL
+
+    async with session.get(url + "/v1/models") as r:
+        tasks = {m["id"]: m.get("task") for m in (await r.json())["data"]}
+    return tasks.get(EMBED_MODEL) == "embed" and tasks.get(RERANK_MODEL) == "rerank"
+
+
+async def embedding_items(session, url) -> List[Item]:
+    """Embeddings and rerank requests (several inputs, several documents:
+    batched under load), each sent alone for its reference numbers."""
+    from testkit.bad_input import EMBED_MODEL, EMBEDDINGS, RERANK, RERANK_MODEL
+
+    bodies = [
+        (EMBEDDINGS, {"model": EMBED_MODEL, "input": [f"Tell me about {t}." for t in TOPICS]}),
+        (EMBEDDINGS, {"model": EMBED_MODEL, "input": SYSTEM[:120], "dimensions": 16,
+                      "encoding_format": "base64"}),
+        (RERANK, {"model": RERANK_MODEL, "query": "Where do the boats go?", "top_n": 4,
+                  "documents": [f"A note about {t} and the port." for t in TOPICS]}),
+        (RERANK, {"model": RERANK_MODEL, "query": "cargo", "return_documents": False,
+                  "instruction": "Find the shipping notes",
+                  "documents": [{"text": "the harbour was calm. " * (1 + i)} for i in range(5)]}),
+    ]
+    items = []
+    for i, (path, body) in enumerate(bodies):
+        item = Item(f"{'embed' if path == EMBEDDINGS else 'rerank'}-{i}", path, body)
+        async with session.post(url + path, json=body) as r:
+            text = await r.text()
+            assert r.status == 200, f"reference {path}: {r.status} {text[:300]}"
+        item.reference = embedding_numbers(path, text)
+        items.append(item)
+    return items
+
+
+def embedding_numbers(path: str, raw: str) -> List[tuple]:
+    """An embeddings answer's vectors, or a rerank answer's (index, score)
+    pairs, best first (with each document's text, where returned)."""
+    answer = json.loads(raw)
+    if "results" in answer:
+        return [(r["index"], r["relevance_score"], (r.get("document") or {}).get("text"))
+                for r in answer["results"]]
+    vectors = []
+    for item in answer["data"]:
+        v = item["embedding"]
+        if isinstance(v, str):
+            data = base64.b64decode(v)
+            v = struct.unpack(f"<{len(data) // 4}f", data)
+        vectors.append(tuple(v))
+    return vectors
+
+
+def close(path: str, got: List[tuple], want: List[tuple], atol: float = 1e-4) -> bool:
+    """Equal but for numbers within `atol` (a batch's padding and
+    neighbours move the last bits). A rerank's order may differ only where
+    two scores are that close (at top_n's edge too)."""
+    if len(got) != len(want):
+        return False
+    if path in RERANK_PATHS:
+        ours = {i: (s, t) for i, s, t in got}
+        floor = min((s for _, s, _ in got), default=0.0)
+        return all(abs(ours[i][0] - s) <= atol and ours[i][1] == t if i in ours
+                   else abs(s - floor) <= atol for i, s, t in want)
+    return all(len(a) == len(b) and all(abs(x - y) <= atol for x, y in zip(a, b))
+               for a, b in zip(got, want))
+
+
 # -- the clients --
 
 def new_tally() -> Dict[str, Any]:
-    return {"started": 0, "completed": 0, "disconnected": 0, "mismatches": 0,
+    return {"started": 0, "completed": 0, "embeddings": 0, "disconnected": 0, "mismatches": 0,
             "unanswered": 0, "failed": 0, "bad_sent": 0, "bad_4xx": 0, "bad_other": 0,
             "flood_sent": 0, "flood_200": 0, "flood_4xx": 0, "flood_503": 0, "flood_other": 0,
             "tokens": 0, "examples": {"mismatch": [], "unanswered": [], "failed": [],
@@ -201,6 +283,8 @@ async def send_valid(session, url, item, stream, hang_up, timeout, tally):
     """One valid request. `hang_up`: streamed, stop reading after that many
     chunks; non-streamed, give up after that many seconds (the client's own
     disconnect, not counted as unanswered)."""
+    if item.path not in (CHAT, TEXT):
+        return await send_embedding(session, url, item, hang_up, timeout, tally)
     body = dict(item.body)
     tally["started"] += 1
     what = f"{item.name} {'stream' if stream else 'plain'}"
@@ -267,6 +351,55 @@ async def send_valid(session, url, item, stream, hang_up, timeout, tally):
     if text != item.reference:
         tally["mismatches"] += 1
         note(tally, "mismatch", f"{what}: got {text!r} expected {item.reference!r}")
+
+
+async def send_embedding(session, url, item, hang_up, timeout, tally):
+    """An embeddings or rerank request (never streamed): abandoned after
+    `hang_up` seconds if one is given, else its numbers close to its
+    reference."""
+    tally["started"] += 1
+
+    async def plain():
+        async with session.post(url + item.path, json=item.body) as r:
+            return r.status, await r.text()
+
+    task = asyncio.ensure_future(plain())
+    try:
+        if hang_up is not None:
+            done, _ = await asyncio.wait({task}, timeout=hang_up)
+            if not done:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, aiohttp.ClientError):
+                    pass
+                tally["disconnected"] += 1
+                return
+        status, raw = await asyncio.wait_for(task, timeout)
+        if status != 200:
+            tally["failed"] += 1
+            note(tally, "failed", f"{item.name}: {status} {raw[:300]}")
+            return
+        got = embedding_numbers(item.path, raw)
+    except asyncio.TimeoutError:
+        tally["unanswered"] += 1
+        note(tally, "unanswered", f"{item.name}: no answer within {timeout:.0f} s")
+        return
+    except aiohttp.ClientError as e:
+        tally["unanswered"] += 1
+        note(tally, "unanswered", f"{item.name}: connection dropped: {e!r}")
+        await asyncio.sleep(0.1)
+        return
+    except (ValueError, KeyError, IndexError, TypeError, struct.error) as e:
+        tally["failed"] += 1
+        note(tally, "failed", f"{item.name}: malformed answer: {e!r}")
+        return
+    tally["completed"] += 1
+    tally["embeddings"] += 1
+    if not close(item.path, got, item.reference):
+        tally["mismatches"] += 1
+        note(tally, "mismatch", f"{item.name}: got {str(got)[:150]} expected "
+             f"{str(item.reference)[:150]}")
 
 
 async def send_flood_request(session, url, body, timeout, tally):
@@ -391,7 +524,10 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         items = await build_items(session, url, max_tokens)
-        bad = bad_inputs()
+        embedders = await serves_embedders(session, url)
+        if embedders:
+            items += await embedding_items(session, url)
+        bad = bad_inputs(embeddings=embedders)
         tally = new_tally()
         rng = random.Random(seed)
         duration = minutes * 60.0
@@ -474,6 +610,8 @@ async def run_soak(url: str, pid: int, *, minutes: float = 30.0, interval: float
         "rss_after_clear": rss_after_clear,
         "requests": tally["started"] + tally["bad_sent"],
         "completed": tally["completed"],
+        "embeddings": tally["embeddings"],  # (of completed: embeddings and rerank)
+        "embedders": embedders,
         "disconnected": tally["disconnected"],
         "mismatches": tally["mismatches"],
         "unanswered": tally["unanswered"],
@@ -566,7 +704,8 @@ def report(result) -> str:
         f"({pct(result['mlx_active']['growth'])}); at start {mib(result['mlx_active_at_start'])}, "
         f"after DELETE /v1/cache {mib(result['mlx_active_after_clear'])}",
         f"requests {result['requests']} ({result['items']} prompts, {result['bad_cases']} bad cases): "
-        f"completed {result['completed']}, hung up by the client {result['disconnected']}, "
+        f"completed {result['completed']} ({result['embeddings']} embeddings and rerank), "
+        f"hung up by the client {result['disconnected']}, "
         f"failed {result['failed']}, {result['output_tokens_per_s']} output tok/s",
         f"cache evictions during the soak: {result['evictions']}",
         f"mismatches: {result['mismatches']}",
@@ -613,6 +752,9 @@ def main(argv=None) -> int:
     parser.add_argument("--flood-schemas", type=int, default=12)
     parser.add_argument("--server-arg", action="append", default=[],
                         help="an extra server argument (repeatable), e.g. --server-arg=--decode-concurrency=8")
+    parser.add_argument("--embedders", action="store_true",
+                        help="serve testkit/bad_input.py's embedder and reranker beside the "
+                             "model (--models-config), and send them requests and bad inputs")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     args.model_kind = KINDS.get(args.model_kind, args.model_kind)
@@ -620,7 +762,16 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="mlx_lm_plus-soak-"))
     model = fixture_or_model(args, work)
     log = work / "server.log"
-    server_args = ["--model", model, "--prompt-cache-bytes", str(args.prompt_cache_bytes),
+    served = ["--model", model]
+    if args.embedders:
+        import os
+
+        from benchmarks.fuzz import fixture_builder
+        from testkit.bad_input import models_config_file
+
+        build = fixture_builder(Path(os.environ.get("MLX_LM_PLUS_FIXTURES") or work))
+        served = ["--models-config", str(models_config_file(build, work, chat=model))]
+    server_args = [*served, "--prompt-cache-bytes", str(args.prompt_cache_bytes),
                    *args.server_arg]
     print(f"soak: {args.minutes} min, {args.clients} clients, model {model}, "
           f"--prompt-cache-bytes {args.prompt_cache_bytes}, server log {log}", flush=True)

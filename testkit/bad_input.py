@@ -2,16 +2,28 @@
 error (in each protocol's shape) and survive.
 
 CASES: chat and text completions (upstream's error shape); MESSAGES_CASES:
-/v1/messages (Anthropic's); RESPONSES_CASES: /v1/responses (OpenAI's). Each
-is a list of (path, body), the body a dict or raw bytes. Used by
+/v1/messages (Anthropic's); RESPONSES_CASES: /v1/responses (OpenAI's);
+EMBEDDINGS_CASES: /v1/embeddings, and the chat endpoints asked of an
+embedder; RERANK_CASES: /v1/rerank, /rerank and /v2/rerank. Each is a list
+of (path, body), the body a dict or raw bytes. Used by
 tests/protocols/test_bad_input.py, `python -m benchmarks.fuzz` (tried first)
 and `python -m benchmarks.soak` (mixed into its traffic).
+
+The first three name no model (or names no served one): the server's
+default model answers, a chat model. The embedding cases name the models of
+EMBEDDING_SERVED, the server they assume (`models_config_file` writes its
+--models-config): "chat" first (the default), "embed" (bert_embed: an
+encoder embedder, 64 dimensions, a 195-token vocabulary, a context of 128
+tokens) and "rerank" (qwen3_rerank: its prompt template alone is about 170
+of its tokens).
 """
 
 import base64
 import io
+import json
 import struct
 import zlib
+from pathlib import Path
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -238,4 +250,197 @@ RESPONSES_CASES = [
                                   "schema": {"type": "frob"}}}),
     ]],
     (RESPONSES, b"{not json"), (RESPONSES, b"[]"),
+]
+
+EMBEDDINGS = "/v1/embeddings"
+RERANK = "/v1/rerank"
+RERANK_PATHS = (RERANK, "/rerank", "/v2/rerank")
+# The server the embedding cases assume: served name -> fixture kind
+# (testkit/fixtures.py, testkit/embedding_fixtures.py), the default first.
+EMBEDDING_SERVED = {"chat": "qwen3", "embed": "bert_embed", "rerank": "qwen3_rerank"}
+EMBED_MODEL, RERANK_MODEL = "embed", "rerank"
+# The parser's bound on nesting (mlx_lm_plus/http/bodies.py MAX_JSON_DEPTH),
+# and json's own limit (its recursion, about 1,000 levels).
+MAX_JSON_DEPTH = 128
+
+
+def models_config_file(path_of, folder, chat=None) -> Path:
+    """Write the --models-config of EMBEDDING_SERVED into `folder`;
+    `path_of(kind)` is a fixture's folder (tests/conftest.py fixture_path);
+    `chat`, a model folder served as "chat" in place of its fixture."""
+    paths = {name: chat if name == "chat" and chat else str(path_of(kind))
+             for name, kind in EMBEDDING_SERVED.items()}
+    path = Path(folder) / "embedding-models.json"
+    path.write_text(json.dumps({"models": [{"name": name, "path": p}
+                                           for name, p in paths.items()]}))
+    return path
+
+
+def embed(**kw):
+    return {"model": EMBED_MODEL, "input": "hello", **kw}
+
+
+def rerank(**kw):
+    return {"model": RERANK_MODEL, "query": "q", "documents": ["a", "b"], **kw}
+
+
+def deep(body: dict, levels: int, kind: str = "array") -> bytes:
+    """`body` as JSON, its "DEEP" value nesting `levels` arrays (or objects)
+    deep, written as text: json.dumps can't write the deep ones."""
+    nested = ("[" * levels + "]" * levels if kind == "array"
+              else '{"a": ' * levels + "0" + "}" * levels)
+    return json.dumps(body).replace('"DEEP"', nested).encode()
+
+
+# Past the parser's bound (a 400 however valid the rest), at json's own
+# edge, and far past it; and just under the bound, where the body parses
+# and each field's check refuses a list or an object where it wants a string
+# or a number (the body sits a level or two up).
+DEEP_LEVELS = (MAX_JSON_DEPTH - 4, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1,
+               990, 1000, 100_000)
+EMBED_DEEP_FIELDS = ("input", "model", "encoding_format", "dimensions", "user",
+                     "prompt_name")
+RERANK_DEEP_FIELDS = ("query", "documents", "model", "top_n", "return_documents",
+                      "instruction")
+
+EMBEDDINGS_CASES = [
+    # input: missing, empty, the wrong types, ids out of range, too many
+    (EMBEDDINGS, {"model": EMBED_MODEL}),
+    *[(EMBEDDINGS, embed(input=value)) for value in [
+        "", [], [""], ["ok", ""], [[]], ["ok", []], [["x"]], [[1, "a"]], [1, "a"],
+        ["a", 1], [1.5], [1, 2.5], [[1.5]], [[1.0]], 1.5, 5, 0, True, False, None,
+        {"text": "x"}, [{"text": "x"}], [None], [True], [[True]], [True, 1], [[[1]]],
+        [-1], [[-1]], [1, -1], [[0, -5]], [195], [10**6], [2**63], [[10**30]],
+        [[1], [10**9]], ["x"] * (2048 + 1), [[1]] * (2048 + 1), ["x"] * 100_000,
+    ]],
+    # longer than the model's context (128 tokens): as text, as ids, one of many
+    (EMBEDDINGS, embed(input="word " * 200)),
+    (EMBEDDINGS, embed(input=["ok", "word " * 200])),
+    (EMBEDDINGS, embed(input=[5] * 129)),
+    (EMBEDDINGS, embed(input=[[5], [5] * 129])),
+    (EMBEDDINGS, embed(input=[5] * 100_000)),
+    (EMBEDDINGS, embed(input=["word " * 200] * 2048)),  # (2 MB: the large lane)
+    # the other fields
+    *[(EMBEDDINGS, embed(**{field: value})) for field, value in [
+        ("encoding_format", "int8"), ("encoding_format", "FLOAT"),
+        ("encoding_format", "binary"), ("encoding_format", 5), ("encoding_format", True),
+        ("encoding_format", ["float"]), ("encoding_format", {"type": "float"}),
+        ("encoding_format", "e" * 5000),
+        ("dimensions", 0), ("dimensions", -1), ("dimensions", -(2**63)), ("dimensions", 1.5),
+        ("dimensions", 8.0), ("dimensions", "8"), ("dimensions", [8]), ("dimensions", True),
+        ("dimensions", False), ("dimensions", {}), ("dimensions", 65), ("dimensions", 10**6),
+        ("dimensions", 2**64), ("dimensions", 10**100),
+        ("user", 5), ("user", ["u"]), ("user", {"id": 1}), ("user", True),
+        ("prompt_name", "query"),  # (BERT's folder has no prompts)
+        ("prompt_name", "nope"), ("prompt_name", 5), ("prompt_name", ["query"]),
+        ("prompt_name", {}), ("prompt_name", True), ("prompt_name", "p" * 5000),
+        ("model", 5), ("model", ["embed"]), ("model", {"name": "embed"}), ("model", True),
+        ("model", 1.5), ("model", "nope"), ("model", ""), ("model", "m" * 5000),
+        ("model", "/nonexistent/model"), ("model", "../../etc"),
+    ]],
+    # the wrong kind of model: the chat model (named, or the default when
+    # none is) and the reranker for embeddings; the embedder for generation
+    (EMBEDDINGS, embed(model="chat")),
+    (EMBEDDINGS, embed(model=None)),
+    (EMBEDDINGS, {"input": "hello"}),
+    (EMBEDDINGS, embed(model=RERANK_MODEL)),
+    (CHAT, chat(model=EMBED_MODEL)),
+    (CHAT, chat(model=EMBED_MODEL, stream=True)),
+    (CHAT, chat(model=RERANK_MODEL)),
+    (TEXT, {"model": EMBED_MODEL, "prompt": "x", "max_tokens": 2}),
+    ("/v1/messages", {"model": EMBED_MODEL, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages/count_tokens", {"model": EMBED_MODEL,
+                                   "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": EMBED_MODEL, "max_output_tokens": 2, "input": "hi"}),
+    ("/v1/responses", {"model": RERANK_MODEL, "max_output_tokens": 2, "input": "hi",
+                       "stream": True}),
+    # bodies that are no JSON object, numbers JSON has not
+    *[(EMBEDDINGS, raw) for raw in [
+        b"", b"{not json", b"[]", b'[{"model": "embed", "input": "x"}]', b'"hello"',
+        b"null", b"42", b"true", b"\xff\xfe\x00{", b'{"model": "embed", "input": "x"',
+        b'{"model": "embed", "input": "x"}]]]', b'{"model": "embed", "input": NaN}',
+        b'{"model": "embed", "input": [NaN]}', b'{"model": "embed", "input": [Infinity]}',
+        b'{"model": "embed", "input": "x", "dimensions": NaN}',
+        b'{"model": "embed", "input": "x", "dimensions": Infinity}',
+        b'{"model": "embed", "input": "x", "dimensions": 1e400}',
+        b'{"model": "embed", "input": "x", "dimensions": ' + b"1" * 5000 + b"}",
+        b'{"model": "embed", "input": [' + b"1" * 5000 + b"]}",
+    ]],
+    # nesting: every field, arrays and objects, around the parser's bound
+    *[(EMBEDDINGS, deep(embed(**{field: "DEEP"}), levels, kind))
+      for field in EMBED_DEEP_FIELDS for levels in DEEP_LEVELS
+      for kind in ("array", "object")],
+    *[(EMBEDDINGS, deep(embed(input=["ok", "DEEP"]), levels))
+      for levels in DEEP_LEVELS],
+    *[(EMBEDDINGS, deep(embed(extra="DEEP"), levels))
+      for levels in DEEP_LEVELS if levels > MAX_JSON_DEPTH - 1],
+]
+
+RERANK_CASES = [
+    # query
+    (RERANK, {"model": RERANK_MODEL, "documents": ["a"]}),
+    *[(RERANK, rerank(query=value)) for value in [
+        "", None, 5, 1.5, True, ["q"], {"text": "q"}, [],
+    ]],
+    # documents
+    (RERANK, {"model": RERANK_MODEL, "query": "q"}),
+    *[(RERANK, rerank(documents=value)) for value in [
+        [], None, "doc", 5, True, {"text": "a"}, {"0": "a"}, [5], [1.5], [None], [True],
+        [["a"]], [{}], [{"text": 5}], [{"text": None}], [{"text": ["a"]}],
+        [{"content": "a"}], [{"text": {"text": "a"}}], ["a", 5], ["a", {"title": "b"}],
+        ["d"] * (2048 + 1), [{"text": "d"}] * (2048 + 1), ["d"] * 100_000,
+    ]],
+    # past the reranker's context (32,768 tokens), as the query or a document
+    (RERANK, rerank(query="word " * 40_000)),
+    (RERANK, rerank(documents=["ok", "word " * 40_000])),
+    # past the tokens of a request (300,000): 2,048 prompts of ~470 tokens
+    (RERANK, rerank(documents=["word " * 100] * 2048)),
+    # the other fields
+    *[(path, rerank(**{field: value})) for path in RERANK_PATHS for field, value in [
+        ("top_n", 0), ("top_n", -1), ("top_n", 1.5), ("top_n", 2.0), ("top_n", "2"),
+        ("top_n", True), ("top_n", False), ("top_n", [1]), ("top_n", {}),
+        ("return_documents", "yes"), ("return_documents", "false"), ("return_documents", 1),
+        ("return_documents", 0), ("return_documents", [True]), ("return_documents", {}),
+        ("instruction", 5), ("instruction", ["x"]), ("instruction", {"a": 1}),
+        ("instruction", True),
+        ("model", 5), ("model", ["rerank"]), ("model", {}), ("model", "nope"),
+        ("model", "r" * 5000),
+    ]],
+    # the wrong kind of model: the embedder and the chat model (named, or
+    # the default when none is)
+    *[(path, rerank(model=model)) for path in RERANK_PATHS
+      for model in (EMBED_MODEL, "chat", None)],
+    (RERANK, {"query": "q", "documents": ["a"]}),
+    # bodies
+    *[(path, raw) for path in RERANK_PATHS for raw in [
+        b"", b"{not json", b"[]", b'[{"query": "q", "documents": ["a"]}]', b'"q"', b"null",
+        b"0", b"\xc3(", b'{"model": "rerank", "query": "q", "documents": ["a"]',
+        b'{"model": "rerank", "query": "q", "documents": ["a"], "top_n": NaN}',
+        b'{"model": "rerank", "query": "q", "documents": ["a"], "top_n": -Infinity}',
+        b'{"model": "rerank", "query": "q", "documents": ["a"], "top_n": 1e400}',
+        b'{"model": "rerank", "query": "q", "documents": [NaN]}',
+    ]],
+    # nesting: every field, and beside a document's text (valid under the
+    # bound: only past it)
+    *[(RERANK, deep(rerank(**{field: "DEEP"}), levels, kind))
+      for field in RERANK_DEEP_FIELDS for levels in DEEP_LEVELS
+      for kind in ("array", "object")],
+    *[(RERANK, deep(rerank(documents=[{"text": "a", "meta": "DEEP"}]), levels))
+      for levels in DEEP_LEVELS if levels > MAX_JSON_DEPTH],
+    *[(RERANK, deep(rerank(documents=["a", "DEEP"]), levels)) for levels in DEEP_LEVELS],
+]
+
+# Lone surrogates (JSON's "\ud800" escapes: json.dumps writes them so) in
+# every text the embedders tokenize: no tokenizer takes one (they got a 500
+# from its TypeError before they were refused as chat refuses them).
+EMBEDDINGS_CASES += [
+    (EMBEDDINGS, embed(input="\ud800")),
+    (EMBEDDINGS, embed(input=["ok", "a\udfffb"])),
+]
+RERANK_CASES += [
+    (RERANK, rerank(query="\ud800")),
+    (RERANK, rerank(documents=["a", "\udc00"])),
+    (RERANK, rerank(documents=[{"text": "\ud83d"}])),
+    (RERANK, rerank(instruction="\ud800")),
 ]

@@ -69,7 +69,10 @@ class Embeddings:
         if self.model_provider.is_distributed:
             return self.error(request, f"{request.path} is not served under mx.distributed")
         args = EmbeddingArgs(desc)
-        lane = self._planner_large if track.body_bytes > LARGE_LANE_BYTES else self._planner
+        # (A rerank's query is tokenized once for each document.)
+        work = track.body_bytes + (len(parsed.query) * len(parsed.documents)
+                                   if isinstance(parsed, RerankRequest) else 0)
+        lane = self._planner_large if work > LARGE_LANE_BYTES else self._planner
         try:
             planned = await self._in_lane(lane, self.engine.plan_embedding, parsed, args)
         except PromptError as e:

@@ -286,9 +286,9 @@ class Intake:
             task = provider.task(provider.key_for(parsed.args.model))
             if task != "generate":
                 raise RequestError(
-                    f"Model {provider.name_for(parsed.args.model)!r} is an "
-                    f"{'embedding' if task == 'embed' else 'reranking'} model: it serves "
-                    f"/v1/{'embeddings' if task == 'embed' else 'rerank'}, not {path}")
+                    f"Model {provider.name_for(parsed.args.model)!r} is "
+                    f"{'an embedding' if task == 'embed' else 'a reranking'} model: it "
+                    f"serves /v1/{'embeddings' if task == 'embed' else 'rerank'}, not {path}")
         return parsed, served, provider.name_for(parsed.args.model)
 
 

@@ -77,9 +77,9 @@ def plan_embedding_request(lm, request) -> EmbeddingPlan:
     if not isinstance(name, str):  # (a chat Request names its model in its args)
         name = lm.key[0]
     if not isinstance(request, EMBEDDING_REQUESTS):
-        raise PromptError(f"Model {name!r} is an embedding model: it serves "
-                          f"/v1/{'rerank' if embedder.task == 'rerank' else 'embeddings'}, "
-                          "not chat or text completions")
+        raise PromptError(f"Model {name!r} is " + (
+            "a reranking model: it serves /v1/rerank" if embedder.task == "rerank" else
+            "an embedding model: it serves /v1/embeddings") + ", not chat or text completions")
     if embedder is None:
         raise PromptError(f"Model {name!r} does not serve embeddings or reranking: it is "
                           "a generation model (chat and text completions)")
@@ -134,8 +134,20 @@ def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
         raise PromptError(f"Model {request.model!r} is not a reranker: /v1/rerank needs "
                           "a reranking model (GET /v1/models says which models rerank)")
     instruction = request.instruction or RERANK_INSTRUCTION
-    texts = [f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {request.query}\n"
-             f"<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
+    shared = f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {request.query}\n"
+    # Every prompt repeats the query: a long one times 2,048 documents is
+    # gigabytes of tokens from a small body. Its tokens, counted once (less
+    # a token or two that may merge across its end), bound the request's
+    # before any prompt is tokenized.
+    at_least = max(0, len(embedder.tokenizer(shared, add_special_tokens=False)["input_ids"]) - 2)
+    if at_least > embedder.context_length:
+        raise PromptError(f"The query and instruction have about {at_least} tokens, more "
+                          f"than the model's context of {embedder.context_length} tokens")
+    if at_least * len(request.documents) > MAX_REQUEST_TOKENS:
+        raise PromptError(f"The request's {len(request.documents)} documents have at least "
+                          f"{at_least * len(request.documents)} tokens in all (the query in "
+                          f"each), more than {MAX_REQUEST_TOKENS} a request")
+    texts = [f"{shared}<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
     ids = embedder.tokenizer(texts, add_special_tokens=False)["input_ids"]
     inputs = tuple(tuple(i) for i in ids)
     _check_sizes(inputs, embedder.context_length, "document")

@@ -38,6 +38,17 @@ def _int(body: dict, key: str, low: int) -> Optional[int]:
     return value
 
 
+def _valid_text(text: str, where: str) -> str:
+    """`text`, unless it holds a lone surrogate (JSON's \\ud800 escapes):
+    no tokenizer takes one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where} must be valid Unicode text: {e.reason} at "
+                           f"character {e.start}") from e
+    return text
+
+
 def _ids(value, where: str) -> tuple:
     if not value:
         raise RequestError(f"{where} is an empty list of token ids")
@@ -72,14 +83,15 @@ def parse_embeddings(body: Any) -> EmbeddingsRequest:
             if isinstance(item, str):
                 if not item:
                     raise RequestError(f"input[{i}] is an empty string")
-                items.append(item)
+                items.append(_valid_text(item, f"input[{i}]"))
             elif isinstance(item, list):
                 items.append(_ids(item, f"input[{i}]"))
             else:
                 raise RequestError(f"input[{i}] must be a string or a list of token ids, "
                                    f"not {type(item).__name__}")
         inputs = tuple(items)
-    encoding = body.get("encoding_format") or "float"
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
     if encoding not in ENCODING_FORMATS:
         raise RequestError(f"encoding_format must be one of {list(ENCODING_FORMATS)}")
     user = body.get("user")
@@ -101,6 +113,7 @@ def parse_rerank(body: Any) -> RerankRequest:
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise RequestError("query must be a non-empty string")
+    _valid_text(query, "query")
     documents = body.get("documents")
     if not isinstance(documents, list) or not documents:
         raise RequestError("documents must be a non-empty list of strings or of objects "
@@ -114,13 +127,16 @@ def parse_rerank(body: Any) -> RerankRequest:
         if not isinstance(text, str):
             raise RequestError(f"documents[{i}] must be a string or an object with a "
                                "`text` string")
-        texts.append(text)
-    return_documents = body.get("return_documents", True)
+        texts.append(_valid_text(text, f"documents[{i}]"))
+    return_documents = body.get("return_documents")
+    return_documents = True if return_documents is None else return_documents
     if not isinstance(return_documents, bool):
         raise RequestError("return_documents must be a boolean")
     instruction = body.get("instruction")
     if instruction is not None and not isinstance(instruction, str):
         raise RequestError("instruction must be a string")
+    if instruction is not None:
+        _valid_text(instruction, "instruction")
     return RerankRequest(model=_model(body), query=query, documents=tuple(texts),
                          top_n=_int(body, "top_n", 1), return_documents=return_documents,
                          instruction=instruction)

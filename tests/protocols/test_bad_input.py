@@ -3,17 +3,21 @@
 After every case the server is healthy and a valid request still succeeds.
 Several of these kill upstream mlx_lm.server 0.32.2's generation thread for
 good (stop that is not strings, an empty or list prompt, top_k beyond the
-vocabulary, ...).
+vocabulary, ...). The embedding and rerank cases run against a server that
+serves an embedder and a reranker beside the chat model.
 """
 
 import json
+import threading
+import time
 
 import pytest
 
 from compat.launch import OURS, ServerProcess
 from testkit.bad_input import (
-    CASES, CHAT, MESSAGES, MESSAGES_CASES, RESPONSES, RESPONSES_CASES, chat, image_chat,
-    message, png_url, response,
+    CASES, CHAT, EMBEDDINGS, EMBEDDINGS_CASES, MESSAGES, MESSAGES_CASES, RERANK, RERANK_CASES,
+    RESPONSES, RESPONSES_CASES, chat, embed, image_chat, message,
+    models_config_file, png_url, rerank, response,
 )
 
 # Cases that reach model loading with --allow-model-loading.
@@ -24,6 +28,16 @@ LOADING_CASES = [(CHAT, chat(draft_model=value)) for value in ([], {"a": 1}, 5, 
 def server(fixture_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("bad") / "server.log"
     with ServerProcess(OURS, ["--model", str(fixture_path("qwen3"))], log=log) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def embedding_server(fixture_path, tmp_path_factory):
+    """The chat fixture (the default), an embedder and a reranker, named as
+    testkit/bad_input.py's EMBEDDING_SERVED."""
+    root = tmp_path_factory.mktemp("bad-embeddings")
+    config = models_config_file(fixture_path, root)
+    with ServerProcess(OURS, ["--models-config", str(config)], log=root / "server.log") as s:
         yield s
 
 
@@ -385,3 +399,64 @@ def test_nesting_at_the_parsers_edge_never_breaks_a_stream(server):
     assert 200 in seen and 400 in seen
     status, r = server.post(CHAT, chat())
     assert status == 200 and r["usage"]["completion_tokens"] == 2
+
+
+def error_text(path: str, answer) -> str:
+    """The message of an error body in the path's protocol's shape (the
+    embedding endpoints' is upstream's: {"error": "..."})."""
+    if not isinstance(answer, dict):
+        return ""
+    error = answer.get("error")
+    if path.startswith((MESSAGES, RESPONSES)):
+        if path.startswith(MESSAGES) and answer.get("type") != "error":
+            return ""
+        error = error.get("message") if isinstance(error, dict) else None
+    return error if isinstance(error, str) else ""
+
+
+def embedding_answers(server) -> None:
+    """A good embeddings, rerank and chat request each get their 200."""
+    status, r = server.post(EMBEDDINGS, embed(input=["hello", "green light"]))
+    assert status == 200 and len(r["data"]) == 2 and len(r["data"][0]["embedding"]) == 64, r
+    status, r = server.post(RERANK, rerank(top_n=1))
+    assert status == 200 and len(r["results"]) == 1 and r["results"][0]["index"] in (0, 1), r
+    status, r = server.post(CHAT, chat())
+    assert status == 200 and r["usage"]["completion_tokens"] == 2, r
+
+
+def test_embedding_corpus_is_large():
+    assert len(EMBEDDINGS_CASES) >= 100 and len(RERANK_CASES) >= 100
+
+
+@pytest.mark.parametrize("path,body", EMBEDDINGS_CASES + RERANK_CASES,
+                         ids=[f"embeddings-{i}" for i in range(len(EMBEDDINGS_CASES))]
+                         + [f"rerank-{i}" for i in range(len(RERANK_CASES))])
+def test_bad_embedding_request_is_4xx_and_harmless(embedding_server, path, body):
+    error = error_text(path, send_bad(embedding_server, path, body))
+    assert error, path
+    embedding_answers(embedding_server)
+
+
+def test_a_query_repeated_into_every_prompt_is_refused_before_tokenizing(embedding_server):
+    """A 20 KB rerank body (a 10 KB query, 2,048 one-letter documents) is
+    2,048 prompts of 10 KB: 20 MB of text, 12.6 million tokens to refuse
+    (more than 300,000 a request). Before the query was counted once, it
+    took 5 s and 1.5 GB (a 50 KB body 25 s and 5.5 GB), and every chat,
+    embeddings and rerank request sent meanwhile waited for it."""
+    body = rerank(query="word " * 2000, documents=["d"] * 2048)
+    answers = {}
+
+    def big():
+        start = time.monotonic()
+        answers["big"] = (embedding_server.post(RERANK, body), time.monotonic() - start)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    status, r = embedding_server.post(CHAT, chat())
+    beside = time.monotonic() - start
+    thread.join()
+    (status_big, answer), took = answers["big"]
+    assert status == 200 and status_big == 400, (status, status_big, answer)
+    assert took < 2.0 and beside < 1.0, (took, beside)
