@@ -303,6 +303,18 @@ class LoadedModel(UpstreamModelProvider):
                 "the prompt cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                 "Gemma 3, Idefics3, SmolVLM)")
 
+    def _weights_for_cpu(self, model, model_path) -> Optional[int]:
+        """cpu.weights_for_cpu, said in the log: float32 weights for the
+        CPU's BLAS where they fit. Returns the bytes they grew by (None:
+        kept as they were)."""
+        grown = weights_for_cpu(model, self.cli_args.keep_quantized,
+                                getattr(self, "room_for_weights", None))
+        self.weights_float32 = grown is not None
+        if grown is not None:
+            logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
+                         f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
+        return grown
+
     def _load_embedder(self, model_path):
         """An embedding or reranking model (embedders.py): not batched with
         generation, served by the engine's embedding runner."""
@@ -310,6 +322,7 @@ class LoadedModel(UpstreamModelProvider):
             raise ValueError("Embedding and reranking models are not served under "
                              "mx.distributed")
         embedder, config = load_embedder(model_path, self.task, _mlx_lm_has)
+        self._weights_for_cpu(embedder.model, model_path)
         self.embedder = embedder
         self.model_key = (model_path, None, None)
         self.model = embedder.model
@@ -351,11 +364,7 @@ class LoadedModel(UpstreamModelProvider):
         room = getattr(self, "room_for_weights", None)
         # (Not under mx.distributed: mlx-lm's sharded layers are not the
         # quantized layers dequantize_model knows.)
-        grown = None if self.is_distributed else weights_for_cpu(model, keep, room)
-        self.weights_float32 = grown is not None
-        if grown is not None:
-            logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
-                         f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
+        grown = None if self.is_distributed else self._weights_for_cpu(model, model_path)
         draft_model = None
         if draft_model_path is not None:
             draft_model, draft_tokenizer = upstream.load(draft_model_path)

@@ -125,6 +125,38 @@ def test_slow_heads_benchmark(fixture_path):
                        "held_still_open": 20}, (name, run)
 
 
+def test_embeddings_benchmark(fixture_path, tmp_path, capsys):
+    """benchmarks/embeddings.py, short: one round on the bert_embed fixture
+    (every answer checked against the bare loop's vectors; batching counted
+    in forward passes, timings not asserted), upstream's 404, and a chat
+    model served as an embedder through its models-config `task`."""
+    from benchmarks.embeddings import WORKLOADS
+    from benchmarks.embeddings import main as embeddings
+
+    out = tmp_path / "embeddings.json"
+    report = embeddings(["--model", str(fixture_path("bert_embed")), "--rounds", "1",
+                         "--check-upstream", "--json", str(out)])
+    printed = capsys.readouterr().out
+    summary = report["summary"]
+    for name in WORKLOADS:
+        assert summary[name]["inputs_per_s"] > 0 and summary[name]["max_abs_diff"] < 1e-3
+        assert f"| {name} |" in printed
+    assert summary["one at a time"]["forward_passes"] == 32
+    # (32 inputs, ~2,200 padded tokens: two passes of --prefill-step-size 2,048)
+    assert summary["batch 32"]["forward_passes"] <= 2
+    assert summary["concurrent 32"]["forward_passes"] < 32
+    assert report["blas"]["same"] and report["weights"]["same"]
+    # mlx-lm can't load BERT: upstream is asked on the demo model, and has no route.
+    assert report["upstream"]["status"] == 404 and not report["upstream"]["loads"]
+    assert "batch 32 / one at a time:" in printed and "no /v1/embeddings" in printed
+    assert json.loads(out.read_text())["summary"]["ratios"]["batch 32 / one at a time"] > 0
+
+    report = embeddings(["--model", str(fixture_path("qwen3")), "--task", "embed",
+                         "--rounds", "1", "--words", "5-20"])
+    assert report["summary"]["batch 32"]["forward_passes"] == 1  # (under 2,048 tokens)
+    assert report["upstream"] is None and report["width"] == 64
+
+
 FAKE_SERVER = '''
 import argparse, http.server, json
 parser = argparse.ArgumentParser()
