@@ -73,7 +73,15 @@ class EmbeddingRunner:
         return [job.channel for job in self.jobs]
 
     def uses(self, key) -> bool:
-        return any(job.lm.key == key for job in self.jobs)
+        return self.held_for(key) > 0
+
+    def held_for(self, key) -> int:
+        """Requests of model `key` held (safe from any thread)."""
+        return sum(job.lm.key == key for job in list(self.jobs))
+
+    def forget(self) -> None:
+        """Let every job go (their channels were answered: Engine._fail_held)."""
+        self.jobs = []
 
     def fail(self, error: Exception, key=None) -> None:
         """Answer the jobs (of model `key`; None: all) with `error`."""

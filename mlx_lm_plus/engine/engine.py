@@ -327,7 +327,7 @@ class Engine:
             except Exception:
                 pass
         self._batches, self._current, self._admitting = {}, None, None
-        self.embeddings.jobs = []
+        self.embeddings.forget()
         self.scheduler.pending = []
         for channel in held:
             channel.put(error)
@@ -398,10 +398,9 @@ class Engine:
         any thread: /v1/models, /metrics, the dashboard)."""
         batches = dict(self._batches)
         current = self._current_key
-        embedding = [job.lm.key for job in list(self.embeddings.jobs)]
         return self.residency.describe(
             lambda key: (len(batches[key].results) if key in batches else 0) + (current == key)
-            + embedding.count(key))
+            + self.embeddings.held_for(key))
 
     def serves_vision(self, model) -> bool:
         return self.residency.serves_vision(model)
