@@ -2,20 +2,21 @@
 across inputs and requests.
 
 A request admitted for an embedder waits here as a job. Each `step()` runs
-one forward pass over pending inputs of one model: the oldest input, with
-the others of about its length (the least padding), up to
-`budget` padded tokens (--prefill-step-size) and MAX_ROWS inputs. A job is
-answered once its last input is done. The loop calls `step()` once a turn,
-after a step of each generating batch, so a stream of another model waits
-for one embedding batch at most between two of its tokens.
+one forward pass over pending inputs of one model: the next input of the
+job whose turn it is (jobs take turns, so a small request never waits for
+all of a large one), with the inputs of that model nearest its length (the
+least padding), up to `budget` padded tokens (--prefill-step-size) and
+MAX_ROWS inputs. A job is answered once its last input is done.
 
-A decoder's input longer than the budget runs alone, in chunks through a
-prompt cache, as a long prompt's prefill does.
+A decoder's input longer than the budget runs alone, a chunk a step through
+a prompt cache, as a long prompt's prefill does. The loop calls `step()`
+once a turn, after a step of each generating batch, so a stream waits for
+one pass or chunk at most between two of its tokens.
 """
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, List
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -61,6 +62,8 @@ class EmbeddingRunner:
         self.jobs: List[_Job] = []
         self.batches = 0  # forward passes run (/v1/stats)
         self.inputs = 0  # inputs run
+        self.turn = -1  # the job that led the last pass
+        self.chunked: Optional[_Chunked] = None  # a long input under way
 
     def add(self, channel, lm, plan) -> None:
         self.jobs.append(_Job(channel, lm, plan))
@@ -81,12 +84,14 @@ class EmbeddingRunner:
 
     def forget(self) -> None:
         """Let every job go (their channels were answered: Engine._fail_held)."""
-        self.jobs = []
+        self.jobs, self.chunked = [], None
 
     def fail(self, error: Exception, key=None) -> None:
         """Answer the jobs (of model `key`; None: all) with `error`."""
         failed = [j for j in self.jobs if key is None or j.lm.key == key]
         self.jobs = [j for j in self.jobs if j not in failed]
+        if self.chunked is not None and self.chunked.job in failed:
+            self.chunked = None
         for job in failed:
             job.channel.put(error)
 
@@ -95,20 +100,33 @@ class EmbeddingRunner:
         for job in [j for j in self.jobs if j.channel.cancelled]:
             self.jobs.remove(job)
             job.channel.removed()
+        if self.chunked is not None and self.chunked.job not in self.jobs:
+            self.chunked = None  # (its client went)
         if not self.jobs:
             return
-        lm = self.jobs[0].lm
-        batch = self._choose(lm)
+        if self.chunked is None:
+            # Each pass is led by the next job in turn: a small request
+            # never waits for all of a large one's inputs.
+            self.turn = (self.turn + 1) % len(self.jobs)
+            batch = self._choose(self.jobs[self.turn])
+            job, i = batch[0]
+            if len(batch) == 1 and job.lm.embedder.decoder \
+                    and len(job.plan.inputs[i]) > self.budget():
+                self.chunked = _Chunked(job, i, make_prompt_cache(job.lm.embedder.model))
         self.beat("an embedding batch")
         try:
-            values = self._run(lm, [(job.plan.inputs[i], job.plan.starts[i])
-                                    for job, i in batch])
+            if self.chunked is not None:
+                batch, values = self._next_chunk()
+            else:
+                values = self._run(job.lm, [(j.plan.inputs[i], j.plan.starts[i])
+                                            for j, i in batch])
         except Exception as e:
             logging.exception("An embedding batch failed")
             error = request_error(e, "running the embedding model")
             if isinstance(error, OutOfMemory):
                 mx.clear_cache()
-            # The jobs of this batch lost inputs: they are answered; the
+            self.chunked = None
+            # The jobs of this pass lost inputs: they are answered; the
             # others go on.
             failed = {id(job) for job, _ in batch}
             for job in [j for j in self.jobs if id(j) in failed]:
@@ -128,17 +146,20 @@ class EmbeddingRunner:
                     job.lm.embedder.pooling.normalize))
                 job.channel.put(None)
 
-    def _choose(self, lm) -> list:
-        """(job, input index) pairs for the next pass: the oldest pending
-        input of the first job's model, then the inputs nearest its length
-        while the padded batch stays within the budget."""
-        pending = []
+    def _choose(self, lead: _Job) -> list:
+        """(job, input index) pairs for the next pass: `lead`'s next input,
+        then the pending inputs of its model nearest its length (oldest
+        jobs first, within WINDOW) while the padded batch stays within the
+        budget."""
+        lm = lead.lm
+        pending = [(lead, lead.left[0])]
         for job in self.jobs:
             if job.lm is lm:
-                pending += [(job, i) for i in job.left[:WINDOW - len(pending)]]
+                pending += [(job, i) for i in job.left[:WINDOW - len(pending)]
+                            if (job, i) != pending[0]]
                 if len(pending) >= WINDOW:
                     break
-        first = len(pending[0][0].plan.inputs[pending[0][1]])
+        first = len(lead.plan.inputs[pending[0][1]])
         by_nearness = sorted(pending[1:], key=lambda p: abs(len(p[0].plan.inputs[p[1]]) - first))
         budget = self.budget()
         chosen, longest = [pending[0]], first
@@ -157,35 +178,52 @@ class EmbeddingRunner:
 
     def _run(self, lm, inputs) -> np.ndarray:
         """One padded forward pass: pooled vectors or scores, as numpy."""
-        embedder = lm.embedder
         longest = max(len(ids) for ids, _ in inputs)
-        if len(inputs) == 1 and embedder.decoder and longest > self.budget():
-            hidden = self._in_chunks(embedder, inputs[0][0])
-        else:
-            tokens = np.zeros((len(inputs), longest), dtype=np.int32)
-            for row, (ids, _) in enumerate(inputs):
-                tokens[row, :len(ids)] = ids
-            lengths = mx.array([len(ids) for ids, _ in inputs])
-            hidden = embedder.hidden(mx.array(tokens), lengths)
+        tokens = np.zeros((len(inputs), longest), dtype=np.int32)
+        for row, (ids, _) in enumerate(inputs):
+            tokens[row, :len(ids)] = ids
         lengths = mx.array([len(ids) for ids, _ in inputs])
-        starts = mx.array([start for _, start in inputs])
-        if embedder.task == "rerank":
-            last = hidden[mx.arange(len(inputs)), lengths - 1]
-            out = embedder.score(last)
-        else:
-            out = embedder.pooling(hidden, lengths, starts)
-        mx.eval(out)
-        return np.array(out, dtype=np.float32)
+        hidden = lm.embedder.hidden(mx.array(tokens), lengths)
+        return _outputs(lm.embedder, hidden, inputs)
 
-    def _in_chunks(self, embedder, ids) -> mx.array:
-        """A decoder's long input through a prompt cache, a chunk at a time:
-        [1, L, H] hidden states."""
-        cache = make_prompt_cache(embedder.model)
+    def _next_chunk(self):
+        """The next chunk of the long input being run: ([], []) until its
+        last, then ([(job, index)], [its value])."""
+        run = self.chunked
+        embedder = run.job.lm.embedder
+        ids = run.job.plan.inputs[run.index]
         step = self.budget()
-        parts = []
-        for at in range(0, len(ids), step):
-            self.beat("an embedding batch")
-            part = embedder.hidden(mx.array([ids[at:at + step]]), None, cache=cache)
-            mx.eval(part)
-            parts.append(part)
-        return mx.concatenate(parts, axis=1)
+        part = embedder.hidden(mx.array([ids[run.at:run.at + step]]), None, cache=run.cache)
+        mx.eval(part)
+        run.parts.append(part)
+        run.at += step
+        if run.at < len(ids):
+            return [], []
+        self.chunked = None
+        inputs = [(ids, run.job.plan.starts[run.index])]
+        return [(run.job, run.index)], _outputs(embedder, mx.concatenate(run.parts, axis=1),
+                                                 inputs)
+
+
+@dataclass
+class _Chunked:
+    """A decoder's input longer than the budget, run a chunk a step through
+    its own prompt cache (as a long prompt's prefill is)."""
+
+    job: _Job
+    index: int
+    cache: list
+    parts: list = field(default_factory=list)  # [1, chunk, H] hidden states
+    at: int = 0  # tokens run
+
+
+def _outputs(embedder, hidden, inputs) -> np.ndarray:
+    """[B, L, H] hidden states of `inputs` ((ids, pooling start) pairs) ->
+    their pooled vectors or rerank scores, as numpy float32."""
+    lengths = mx.array([len(ids) for ids, _ in inputs])
+    if embedder.task == "rerank":
+        out = embedder.score(hidden[mx.arange(len(inputs)), lengths - 1])
+    else:
+        out = embedder.pooling(hidden, lengths, mx.array([start for _, start in inputs]))
+    mx.eval(out)
+    return np.array(out, dtype=np.float32)

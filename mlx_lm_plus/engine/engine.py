@@ -86,7 +86,7 @@ from mlx_lm_plus.errors import (
 from mlx_lm_plus.models.provider import vision_of
 from mlx_lm_plus.patches import apply_all as _apply_patches
 from mlx_lm_plus.planning.embedding import (
-    EMBEDDING_REQUESTS, EmbeddingPlan, plan_embedding_request,
+    EMBEDDING_REQUESTS, PLAN_FIRST, EmbeddingPlan, plan_embedding_request,
 )
 from mlx_lm_plus.planning.vocab import check_vocab
 
@@ -731,11 +731,15 @@ class Engine:
         """An embedding or rerank request joins the embedding runner's jobs,
         planned here if it wasn't ahead (its model was not loaded then). A
         request of the wrong kind for the model is the client's 400."""
-        try:
-            if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
-                planned = plan_embedding_request(lm, request)
-        except PromptError as e:
-            channel.put(e)
+        if not isinstance(request, EMBEDDING_REQUESTS):
+            try:  # (a chat request for an embedder: its 400, nothing tokenized)
+                plan_embedding_request(lm, request)
+            except PromptError as e:
+                channel.put(e)
+            return
+        if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
+            # Tokenizing is the planning lane's: the model is loaded now.
+            channel.put(PLAN_FIRST)
             return
         self.embeddings.add(channel, lm, planned)
         self.counters.admitted += 1

@@ -18,16 +18,19 @@ from mlx_lm.server import ModelDescription
 from mlx_lm_plus.errors import EngineUnavailable, PromptError
 from mlx_lm_plus.http.channel import IDLE, AsyncChannel
 from mlx_lm_plus.http.completion import _status_of
-from mlx_lm_plus.planning.embedding import EmbeddingArgs, RerankRequest
+from mlx_lm_plus.planning.embedding import PLAN_FIRST, EmbeddingArgs, RerankRequest
 from mlx_lm_plus.planning.lanes import LaneBusy
 from mlx_lm_plus.protocols.embeddings import (
-    embeddings_body, parse_embeddings, parse_rerank, rerank_body,
+    embeddings_body, encode, parse_embeddings, parse_rerank, rerank_body,
 )
 from mlx_lm_plus.protocols.validation import RequestError
 
 # Bodies larger than this are tokenized in the large planning lane: 2,048
 # inputs take a while, and chat plans must not queue behind them.
 LARGE_LANE_BYTES = 64 << 10
+# Times a request is handed back to be planned (its model unloaded again
+# before it was sent back), then a 503.
+PLAN_TRIES = 3
 SERVES = {"embed": "an embedding model (/v1/embeddings)",
           "rerank": "a reranking model (/v1/rerank)",
           "generate": "a generation model (chat and text completions)"}
@@ -72,44 +75,50 @@ class Embeddings:
         # (A rerank's query is tokenized once for each document.)
         work = track.body_bytes + (len(parsed.query) * len(parsed.documents)
                                    if isinstance(parsed, RerankRequest) else 0)
-        lane = self._planner_large if work > LARGE_LANE_BYTES else self._planner
-        try:
-            planned = await self._in_lane(lane, self.engine.plan_embedding, parsed, args)
-        except PromptError as e:
-            return self.error(request, str(e), 400)
-        except (EngineUnavailable, LaneBusy) as e:
-            return self.unavailable(request, str(e))
-
-        channel = AsyncChannel(loop)
-        self._arrived(track)
-        try:
-            self.engine.submit(channel, parsed, args, planned)
-        except EngineUnavailable as e:
-            return self.unavailable(request, str(e))
-        del planned  # (the engine's now)
-        try:
-            item = await channel.get()
-            while item is IDLE or isinstance(item, tuple):  # (queued; its model loading)
+        lane = self._embedding_lane if work > LARGE_LANE_BYTES else self._planner
+        # Planned in a lane with the loaded model's tokenizer. A request for
+        # a model not loaded yet goes to the engine unplanned, which loads
+        # the model and hands it back (PLAN_FIRST): then it is planned here
+        # and sent again, so no tokenizing is done on the generation thread.
+        for _ in range(PLAN_TRIES):
+            try:
+                planned = await self._in_lane(lane, self.engine.plan_embedding, parsed, args)
+            except PromptError as e:
+                return self.error(request, str(e), 400)
+            except (EngineUnavailable, LaneBusy) as e:
+                return self.unavailable(request, str(e))
+            channel = AsyncChannel(loop)
+            self._arrived(track)
+            try:
+                self.engine.submit(channel, parsed, args, planned)
+            except EngineUnavailable as e:
+                return self.unavailable(request, str(e))
+            del planned  # (the engine's now)
+            try:
                 item = await channel.get()
-            if isinstance(item, EngineUnavailable):
-                return self.unavailable(request, str(item))
-            if isinstance(item, Exception):
-                track.error = str(item)
-                return self.error(request, str(item), _status_of(item))
-            track.record.prompt_tokens = item.prompt_tokens
-            answer = await loop.run_in_executor(None, _answer, parsed, label, item)
-            return self.json_response(request, answer)
-        finally:
-            channel.cancel()  # (done, failed or gone: the engine drops what is left)
+                while item is IDLE or isinstance(item, tuple):  # (queued; its model loading)
+                    item = await channel.get()
+            finally:
+                channel.cancel()  # (gone: the engine drops it; else it is done with it)
+            if item is not PLAN_FIRST:
+                break
+        else:
+            return self.unavailable(request, f"Model {label!r} was unloaded {PLAN_TRIES} times "
+                                             "before this request could be planned")
+        if isinstance(item, EngineUnavailable):
+            return self.unavailable(request, str(item))
+        if isinstance(item, Exception):
+            track.error = str(item)
+            return self.error(request, str(item), _status_of(item))
+        track.record.prompt_tokens = item.prompt_tokens
+        answer = await loop.run_in_executor(None, _answer, parsed, label, item)
+        return self.json_response(request, answer)
 
 
 def _answer(parsed, label: str, output) -> bytes:
     """The JSON answer, off the event loop."""
     if isinstance(parsed, RerankRequest):
         body = rerank_body(parsed, label, output.values, output.prompt_tokens)
-    else:
-        body = embeddings_body(parsed, label, output.values, output.normalized,
-                               output.prompt_tokens)
-    # (NaN from a broken model raises: JSON has no such number, and a client
-    # is better told 500 than handed a body its parser rejects)
-    return json.dumps(body, allow_nan=False).encode()
+        return json.dumps(body, allow_nan=False).encode()
+    return encode(embeddings_body(parsed, label, output.values, output.normalized,
+                                  output.prompt_tokens))

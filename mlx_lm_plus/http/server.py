@@ -77,6 +77,8 @@ class Server(Replies, Intake, Completions, Embeddings):
         self._counter = Lane("counting tokens")
         self._constraints = Lane("constraints")
         self._constraints_large = Lane("large constraints", LARGE_LANE_HELD)
+        # Many or long embedding inputs are tokenized in a lane of their own.
+        self._embedding_lane = Lane("embedding inputs", LARGE_LANE_HELD)
         self._planning_timeout = cli_args.planning_timeout
         # Wire protocols, by the paths they serve: chat and text completions
         # always (upstream's), the others as app.build registers them.

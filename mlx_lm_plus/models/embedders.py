@@ -192,6 +192,9 @@ class Embedder:
     prompts: Dict[str, str] = field(default_factory=dict)
     default_prompt: Optional[str] = None
     yes_no: Optional[Tuple[int, int]] = None  # a reranker's "yes" and "no" token ids
+    # The most characters one token stands for (WordPiece's [UNK] a whole
+    # word, up to 100): a text over (context + 1) times this can't fit.
+    longest_token: int = 100
 
     def hidden(self, tokens: mx.array, lengths: mx.array, cache=None) -> mx.array:
         """[B, L] token ids -> [B, L, H] last hidden states. `cache`: a
@@ -214,16 +217,20 @@ class Embedder:
         return mx.sigmoid(logits[:, yes] - logits[:, no])
 
 
-def _context_length(config: dict, tokenizer, decoder: bool) -> int:
+def _context_length(config: dict, tokenizer, decoder: bool, folder: Path) -> int:
     """The longest input the model takes: its positions (XLM-RoBERTa's
     are numbered from the padding id + 1), capped by the tokenizer's
-    model_max_length where that is set."""
+    model_max_length and sentence-transformers' max_seq_length (what the
+    model was trained on: all-MiniLM's 256 of its 512 positions) where they
+    are set."""
     n = config.get("max_position_embeddings") or config.get("n_positions") or 2048
     if not decoder and config.get("model_type", "").replace("_", "-") == "xlm-roberta":
         n -= int(config.get("pad_token_id", 1)) + 1
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < 10**7:
-        n = min(n, limit)
+    limits = [getattr(tokenizer, "model_max_length", None),
+              (_json(folder / "sentence_bert_config.json") or {}).get("max_seq_length")]
+    for limit in limits:
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < 10**7:
+            n = min(n, limit)
     return int(n)
 
 
@@ -259,6 +266,17 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
     if not decoder and task == "rerank":
         raise EmbedderError(f"{path}: cross-encoder rerankers are not served (a decoder "
                             "reranker such as Qwen3-Reranker is)")
+    if task == "rerank" and config.get("model_type") != "qwen3":
+        # (Its prompt and yes/no scoring are Qwen3-Reranker's; another
+        # family's may differ, or post-process its logits: Gemma's soft cap.)
+        raise EmbedderError(f"{path}: rerankers of Qwen3-Reranker's kind (model type qwen3) "
+                            f"are served, not {config.get('model_type')!r}")
+    if decoder and (config.get("auto_map") or config.get("is_causal") is False
+                    or config.get("use_bidirectional_attention")):
+        # (gte-Qwen2-instruct and others attend both ways in their own
+        # modelling code: mlx-lm's causal model would give other vectors.)
+        raise EmbedderError(f"{path}: its config asks for its own modelling code or "
+                            "bidirectional attention, which mlx-lm's model doesn't run")
     if decoder:
         from mlx_lm import load
 
@@ -273,9 +291,10 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
     tokenizer = _hf_tokenizer(wrapper)
     width = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
     embedder = Embedder(task=task, model=model, tokenizer=tokenizer, decoder=decoder,
-                        context_length=_context_length(config, tokenizer, decoder),
+                        context_length=_context_length(config, tokenizer, decoder, folder),
                         width=int(width or 0), pooling=pooling, prompts=prompts,
-                        default_prompt=default_prompt)
+                        default_prompt=default_prompt,
+                        longest_token=max([100] + [len(t) for t in tokenizer.get_vocab()]))
     if task == "rerank":
         embedder.yes_no = (_single_token(tokenizer, "yes", path),
                            _single_token(tokenizer, "no", path))

@@ -30,7 +30,7 @@ import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
-from mlx_lm_plus.models.embedders import folder_task, load_embedder
+from mlx_lm_plus.models.embedders import folder_task, load_embedder, local_folder
 from mlx_lm_plus.models.served import ServedModel, resolved_path, served_set
 from mlx_lm_plus.models.vision import (
     VisionSupport, configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
@@ -538,7 +538,9 @@ class ModelProvider:
         if task is None:  # (asked from executor threads)
             if len(self._tasks) > 256:  # (paths a client named)
                 self._tasks.clear()
-            task = self._tasks[key[0]] = folder_task(key[0])
+            task = folder_task(key[0])
+            if local_folder(key[0]) is not None:  # (a repo not downloaded yet: asked again)
+                self._tasks[key[0]] = task
         return task
 
     def _sequential_vision(self, key) -> bool:

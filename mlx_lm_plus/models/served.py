@@ -158,6 +158,12 @@ def served_set(cli_args) -> List[ServedModel]:
             if (folder / "config.json").is_file():
                 served.append(ServedModel(name=folder.name, path=resolved_path(folder),
                                           aliases=(str(folder.resolve()),)))
+    for entry in served:
+        others = {e.task for e in served if e.key == entry.key}
+        if len(others) > 1:
+            raise ValueError(f"the served entries of {entry.path} ask for different tasks "
+                             f"({sorted(map(str, others))}): one folder is loaded once, for "
+                             "one task (a copy of the folder may serve another)")
     names = [e.name for e in served]
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})

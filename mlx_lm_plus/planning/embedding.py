@@ -16,6 +16,9 @@ from mlx_lm_plus.models.embedders import RERANK_INSTRUCTION, RERANK_PREFIX, RERA
 # 2,048 inputs, 300,000 tokens a request).
 MAX_INPUTS = 2048
 MAX_REQUEST_TOKENS = 300_000
+# Texts tokenized in one call: the limits are checked after each, so a
+# refused request costs its first slices, not all its text.
+SLICE = 64
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class RerankRequest:
 
 
 EMBEDDING_REQUESTS = (EmbeddingsRequest, RerankRequest)
+# What the engine answers an embedding request that reached it unplanned
+# (its model was not loaded when the HTTP side looked): the model is loaded
+# now; plan it in a lane and send it again.
+PLAN_FIRST = object()
 
 
 @dataclass(frozen=True)
@@ -114,15 +121,10 @@ def plan_embeddings(embedder, key, request: EmbeddingsRequest) -> EmbeddingPlan:
     if prompt and not embedder.pooling.include_prompt:
         skip = _put_before(tokenizer) + len(tokenizer(prompt, add_special_tokens=False)[
             "input_ids"])
-    texts = [(i, prompt + x) for i, x in enumerate(request.inputs) if isinstance(x, str)]
-    encoded = dict(zip([i for i, _ in texts], tokenizer(
-        [t for _, t in texts], add_special_tokens=True)["input_ids"] if texts else []))
-    inputs, starts = [], []
-    for i, given in enumerate(request.inputs):
-        ids = tuple(encoded[i]) if i in encoded else given
-        inputs.append(ids)
-        starts.append(min(skip, len(ids) - 1) if i in encoded else 0)
-    _check_sizes(inputs, embedder.context_length, "input")
+    texts = [prompt + x if isinstance(x, str) else x for x in request.inputs]
+    inputs = _tokenized(embedder, texts, True, "input")
+    starts = [min(skip, len(ids) - 1) if isinstance(x, str) else 0
+              for ids, x in zip(inputs, request.inputs)]
     return EmbeddingPlan(key, "embed", tuple(inputs), tuple(starts))
 
 
@@ -148,10 +150,8 @@ def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
                           f"{at_least * len(request.documents)} tokens in all (the query in "
                           f"each), more than {MAX_REQUEST_TOKENS} a request")
     texts = [f"{shared}<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
-    ids = embedder.tokenizer(texts, add_special_tokens=False)["input_ids"]
-    inputs = tuple(tuple(i) for i in ids)
-    _check_sizes(inputs, embedder.context_length, "document")
-    return EmbeddingPlan(key, "rerank", inputs, (0,) * len(inputs))
+    inputs = _tokenized(embedder, texts, False, "document")
+    return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs))
 
 
 def _put_before(tokenizer) -> int:
@@ -162,15 +162,35 @@ def _put_before(tokenizer) -> int:
     return next((k for k in range(len(full)) if full[k:k + len(plain)] == plain), 0)
 
 
-def _check_sizes(inputs, context: int, what: str) -> None:
-    total = 0
-    for i, ids in enumerate(inputs):
-        if not ids:
-            raise PromptError(f"The {what} at index {i} has no tokens")
-        if len(ids) > context:
-            raise PromptError(f"The {what} at index {i} has {len(ids)} tokens, more than "
-                              f"the model's context of {context} tokens")
-        total += len(ids)
-    if total > MAX_REQUEST_TOKENS:
-        raise PromptError(f"The request's {len(inputs)} {what}s have {total} tokens in all, "
-                          f"more than {MAX_REQUEST_TOKENS} a request")
+def _tokenized(embedder, texts, special_tokens: bool, what: str) -> list:
+    """Each of `texts` (a string, or token ids as given) as token ids,
+    within the model's context and MAX_REQUEST_TOKENS in all (PromptError
+    naming the first that isn't). The work is bounded by the limits, not by
+    the body: a text too long to fit is refused from its length (no token
+    covers more than `embedder.longest_token` characters), and tokenizing
+    stops at the slice that passes the total."""
+    context = embedder.context_length
+    out, total = [], 0
+    for at in range(0, len(texts), SLICE):
+        part = texts[at:at + SLICE]
+        for i, text in enumerate(part, start=at):
+            if isinstance(text, str) and len(text) > (context + 1) * embedder.longest_token:
+                raise PromptError(f"The {what} at index {i} has {len(text)} characters: more "
+                                  f"than the model's context of {context} tokens")
+        strings = [t for t in part if isinstance(t, str)]
+        encoded = iter(embedder.tokenizer(strings, add_special_tokens=special_tokens)[
+            "input_ids"] if strings else [])
+        for i, text in enumerate(part, start=at):
+            ids = tuple(next(encoded)) if isinstance(text, str) else text
+            if not ids:
+                raise PromptError(f"The {what} at index {i} has no tokens")
+            if len(ids) > context:
+                raise PromptError(f"The {what} at index {i} has {len(ids)} tokens, more than "
+                                  f"the model's context of {context} tokens")
+            total += len(ids)
+            out.append(ids)
+        if total > MAX_REQUEST_TOKENS:
+            raise PromptError(f"The request's {len(texts)} {what}s have more than "
+                              f"{MAX_REQUEST_TOKENS} tokens in all (a request's most); "
+                              f"the first {len(out)} have {total}")
+    return out

@@ -7,6 +7,7 @@ naming the field and, for a list, the index.
 """
 
 import base64
+import json
 import uuid
 from typing import Any, Dict, Optional
 
@@ -157,7 +158,7 @@ def embeddings_body(request: EmbeddingsRequest, model: str, vectors: np.ndarray,
     if request.encoding_format == "base64":
         values = [base64.b64encode(v.tobytes()).decode() for v in vectors]
     else:
-        values = vectors.tolist()
+        values = list(vectors)  # (rows: `encode` writes them one at a time)
     return {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": v}
@@ -165,6 +166,17 @@ def embeddings_body(request: EmbeddingsRequest, model: str, vectors: np.ndarray,
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+def encode(body: Dict[str, Any]) -> bytes:
+    """An answer as JSON, its vectors a row at a time: json.dumps of 2,048
+    rows of 4,096 floats holds the GIL for seconds in one C call, and the
+    event loop with it; a call a row lets it in between. (NaN from a broken
+    model raises: JSON has no such number.)"""
+    rest = json.dumps({k: v for k, v in body.items() if k != "data"}, allow_nan=False)
+    items = [json.dumps({**d, "embedding": d["embedding"].tolist()} if isinstance(
+        d["embedding"], np.ndarray) else d, allow_nan=False) for d in body["data"]]
+    return ('{"data": [' + ", ".join(items) + "], " + rest[1:]).encode()
 
 
 def rerank_body(request: RerankRequest, model: str, scores: np.ndarray,

@@ -81,9 +81,40 @@ def test_a_decoders_long_input_runs_in_chunks_to_the_same_vector(models):
     run.step()
     small, beats = runner(budget=8)
     small.add(chunked, lm, plan(lm, [tokens]))
-    small.step()
-    assert beats.count("an embedding batch") >= 7  # (a beat a chunk: 50 tokens in 8s)
+    steps = 0
+    while small.active:
+        small.step()  # (one chunk a step: the loop turns between them)
+        steps += 1
+    assert steps == 7 and beats.count("an embedding batch") == 7  # (50 tokens in 8s)
     np.testing.assert_allclose(answer(chunked).values, answer(whole).values, atol=1e-5)
+
+
+def test_jobs_take_turns_leading_a_pass(models):
+    """A one-input request behind a 40-input one is answered after the
+    second pass, not after all of the first's."""
+    lm = models["bert_embed"]
+    run, _ = runner(budget=64)
+    big, small = Collect(), Collect()
+    run.add(big, lm, plan(lm, [ids(30, start=k) for k in range(40)]))
+    run.add(small, lm, plan(lm, [ids(31)]))
+    run.step()
+    run.step()
+    assert answer(small).values.shape == (1, 64) and big.items.empty()
+    while run.active:
+        run.step()
+    assert answer(big).values.shape == (40, 64)
+
+
+def test_a_client_that_goes_mid_chunks_is_dropped(models):
+    lm = models["qwen3_embed"]
+    run, _ = runner(budget=8)
+    gone = Collect()
+    run.add(gone, lm, plan(lm, [ids(50)]))
+    run.step()
+    gone.cancel()
+    run.step()
+    assert not run.active and run.chunked is None and gone.removed_at is not None
+    assert gone.items.empty()
 
 
 def test_a_client_that_went_is_dropped_and_the_others_answered(models):

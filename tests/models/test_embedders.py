@@ -73,3 +73,26 @@ def test_models_config_task(tmp_path, fixture_path):
         config.write_text(json.dumps({"models": [{"path": "p", **bad}]}))
         with pytest.raises(ValueError, match="task|embedding"):
             read_models_config(config)
+
+
+def test_one_folder_serves_one_task(tmp_path, fixture_path, capsys):
+    from mlx_lm_plus.config import parse_args
+
+    config = tmp_path / "m.json"
+    chat = str(fixture_path("qwen3"))
+    config.write_text(json.dumps({"models": [
+        {"path": chat, "name": "chat"}, {"path": chat, "name": "as-embedder", "task": "embed"}]}))
+    with pytest.raises(SystemExit):  # (at startup, with the reason)
+        parse_args(["--models-config", str(config)])
+    assert "ask for different tasks" in capsys.readouterr().err
+
+
+def test_rerankers_and_decoders_it_would_run_wrongly_are_refused(fixture_path, tmp_path):
+    with pytest.raises(EmbedderError, match="model type qwen3"):
+        load_embedder(str(fixture_path("llama")), "rerank", _mlx_lm_has)
+    own_code = tmp_path / "own_code"
+    shutil.copytree(fixture_path("qwen3_embed"), own_code)
+    config = json.loads((own_code / "config.json").read_text())
+    (own_code / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    with pytest.raises(EmbedderError, match="bidirectional"):
+        load_embedder(str(own_code), "embed", _mlx_lm_has)

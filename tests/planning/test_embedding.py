@@ -1,0 +1,81 @@
+"""Embedding and rerank plans (planning/embedding.py): the work a request
+costs is bounded by the limits, not by its body."""
+
+import pytest
+
+from mlx_lm_plus.errors import PromptError
+from mlx_lm_plus.models.embedders import load_embedder
+from mlx_lm_plus.models.provider import _mlx_lm_has
+from mlx_lm_plus.planning.embedding import (
+    MAX_REQUEST_TOKENS, EmbeddingsRequest, RerankRequest, plan_embeddings, plan_rerank,
+)
+
+
+class Counting:
+    """A tokenizer that counts the texts it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts = tokenizer, 0
+
+    def __call__(self, texts, **kw):
+        self.texts += len(texts) if isinstance(texts, list) else 1
+        return self.tokenizer(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture(scope="module")
+def embedders(fixture_path):
+    return {kind: load_embedder(str(fixture_path(kind)), task, _mlx_lm_has)[0]
+            for kind, task in (("qwen3_embed", "embed"), ("bert_embed", "embed"),
+                               ("qwen3_rerank", "rerank"))}
+
+
+def counting(embedder):
+    embedder.tokenizer = Counting(embedder.tokenizer)
+    return embedder.tokenizer
+
+
+def test_a_text_too_long_to_fit_is_refused_from_its_length(embedders):
+    bert = embedders["bert_embed"]
+    tokenizer = counting(bert)
+    try:
+        text = "cat " * (bert.longest_token * 200)
+        with pytest.raises(PromptError, match="index 1 has .* characters"):
+            plan_embeddings(bert, "k", EmbeddingsRequest("m", ("ok", text)))
+        assert tokenizer.texts == 0  # (nothing tokenized)
+    finally:
+        bert.tokenizer = tokenizer.tokenizer
+
+
+def test_tokenizing_stops_at_the_slice_that_passes_the_total(embedders):
+    qwen = embedders["qwen3_embed"]
+    tokenizer = counting(qwen)
+    try:
+        text = "the cat sat on the mat " * 40  # (~200 tokens)
+        per = len(tokenizer.tokenizer(text)["input_ids"])
+        with pytest.raises(PromptError, match=f"more than {MAX_REQUEST_TOKENS} tokens"):
+            plan_embeddings(qwen, "k", EmbeddingsRequest("m", (text,) * 2048))
+        assert tokenizer.texts < MAX_REQUEST_TOKENS // per + 64 + 1 < 2048
+    finally:
+        qwen.tokenizer = tokenizer.tokenizer
+
+
+def test_a_rerank_query_is_counted_once(embedders):
+    rerank = embedders["qwen3_rerank"]
+    tokenizer = counting(rerank)
+    try:
+        with pytest.raises(PromptError, match="the query in each"):
+            plan_rerank(rerank, "k", RerankRequest("m", "word " * 2000, ("d",) * 2048))
+        assert tokenizer.texts == 1  # (the query, once)
+    finally:
+        rerank.tokenizer = tokenizer.tokenizer
+
+
+def test_token_ids_and_texts_keep_their_order_and_prompt_starts(embedders):
+    bert = embedders["bert_embed"]
+    ids = tuple(bert.tokenizer("a cat")["input_ids"])
+    plan = plan_embeddings(bert, "k", EmbeddingsRequest("m", ("a dog", ids, "a cat")))
+    assert plan.inputs[1] == ids == plan.inputs[2]
+    assert plan.starts == (0, 0, 0) and plan.prompt_tokens == sum(map(len, plan.inputs))
