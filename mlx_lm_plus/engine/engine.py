@@ -117,9 +117,10 @@ class Engine:
             decoding=self.decoding, stopping=lambda: self._stop, group_lost=self._group_lost)
         self.requests = self.scheduler.queue
         self.sequential = SequentialRunner(self)
-        # /v1/embeddings and /v1/rerank: prefill-only batches (embedding.py).
-        self.embeddings = EmbeddingRunner(
-            self._beat, budget=lambda: self.cli_args.prefill_step_size)
+        # /v1/embeddings and /v1/rerank: prefill-only batches (embedding.py),
+        # of a prompt chunk's size (smaller while requests decode).
+        self.embeddings = EmbeddingRunner(self._beat, budget=lambda: prefill_chunk(
+            self.cli_args.prefill_step_size, self.decoding()))
         self._time_budget = TimeBudget()
         self._stop = False
         # Why the engine is down (None while it serves), for /health.
