@@ -62,7 +62,6 @@ class EmbeddingRunner:
         self.jobs: List[_Job] = []
         self.batches = 0  # forward passes run (/v1/stats)
         self.inputs = 0  # inputs run
-        self.turn = -1  # the job that led the last pass
         self.chunked: Optional[_Chunked] = None  # a long input under way
 
     def add(self, channel, lm, plan) -> None:
@@ -105,14 +104,18 @@ class EmbeddingRunner:
         if not self.jobs:
             return
         if self.chunked is None:
-            # Each pass is led by the next job in turn: a small request
-            # never waits for all of a large one's inputs.
-            self.turn = (self.turn + 1) % len(self.jobs)
-            batch = self._choose(self.jobs[self.turn])
+            # Jobs take turns leading a pass (the leader goes to the back):
+            # a small request never waits for all of a large one's inputs.
+            lead = self.jobs.pop(0)
+            self.jobs.append(lead)
+            batch = self._choose(lead)
             job, i = batch[0]
             if len(batch) == 1 and job.lm.embedder.decoder \
                     and len(job.plan.inputs[i]) > self.budget():
                 self.chunked = _Chunked(job, i, make_prompt_cache(job.lm.embedder.model))
+        else:
+            batch = [(self.chunked.job, self.chunked.index)]  # (what a failure fails)
+            job = self.chunked.job
         self.beat("an embedding batch")
         try:
             if self.chunked is not None:

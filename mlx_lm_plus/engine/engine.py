@@ -86,7 +86,7 @@ from mlx_lm_plus.errors import (
 from mlx_lm_plus.models.provider import vision_of
 from mlx_lm_plus.patches import apply_all as _apply_patches
 from mlx_lm_plus.planning.embedding import (
-    EMBEDDING_REQUESTS, PLAN_FIRST, EmbeddingPlan, plan_embedding_request,
+    EMBEDDING_REQUESTS, EmbeddingPlan, PlanFirst, plan_embedding_request,
 )
 from mlx_lm_plus.planning.vocab import check_vocab
 
@@ -669,7 +669,11 @@ class Engine:
             # Their wait is over: first in line again.
             self.scheduler.pending[:0] = batch.take_unparked()
         if self.embeddings.active:
-            self.embeddings.step()
+            try:
+                self.embeddings.step()  # (it answers its own passes' failures)
+            except Exception as e:  # (a bug: its jobs fail, not the loop)
+                logging.exception("The embedding runner failed")
+                self.embeddings.fail(request_error(e, "running the embedding model"))
 
     def _admit(self, request, stream):
         """Admit a request whose model is loaded: into that model's batch
@@ -740,7 +744,7 @@ class Engine:
             return
         if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
             # Tokenizing is the planning lane's: the model is loaded now.
-            channel.put(PLAN_FIRST)
+            channel.put(PlanFirst(lm))
             return
         self.embeddings.add(channel, lm, planned)
         self.counters.admitted += 1

@@ -18,7 +18,9 @@ from mlx_lm.server import ModelDescription
 from mlx_lm_plus.errors import EngineUnavailable, PromptError
 from mlx_lm_plus.http.channel import IDLE, AsyncChannel
 from mlx_lm_plus.http.completion import _status_of
-from mlx_lm_plus.planning.embedding import PLAN_FIRST, EmbeddingArgs, RerankRequest
+from mlx_lm_plus.planning.embedding import (
+    EmbeddingArgs, PlanFirst, RerankRequest, plan_embedding_request,
+)
 from mlx_lm_plus.planning.lanes import LaneBusy
 from mlx_lm_plus.protocols.embeddings import (
     embeddings_body, encode, parse_embeddings, parse_rerank, rerank_body,
@@ -28,9 +30,6 @@ from mlx_lm_plus.protocols.validation import RequestError
 # Bodies larger than this are tokenized in the large planning lane: 2,048
 # inputs take a while, and chat plans must not queue behind them.
 LARGE_LANE_BYTES = 64 << 10
-# Times a request is handed back to be planned (its model unloaded again
-# before it was sent back), then a 503.
-PLAN_TRIES = 3
 SERVES = {"embed": "an embedding model (/v1/embeddings)",
           "rerank": "a reranking model (/v1/rerank)",
           "generate": "a generation model (chat and text completions)"}
@@ -78,33 +77,23 @@ class Embeddings:
         lane = self._embedding_lane if work > LARGE_LANE_BYTES else self._planner
         # Planned in a lane with the loaded model's tokenizer. A request for
         # a model not loaded yet goes to the engine unplanned, which loads
-        # the model and hands it back (PLAN_FIRST): then it is planned here
-        # and sent again, so no tokenizing is done on the generation thread.
-        for _ in range(PLAN_TRIES):
-            try:
-                planned = await self._in_lane(lane, self.engine.plan_embedding, parsed, args)
-            except PromptError as e:
-                return self.error(request, str(e), 400)
-            except (EngineUnavailable, LaneBusy) as e:
-                return self.unavailable(request, str(e))
-            channel = AsyncChannel(loop)
-            self._arrived(track)
-            try:
-                self.engine.submit(channel, parsed, args, planned)
-            except EngineUnavailable as e:
-                return self.unavailable(request, str(e))
-            del planned  # (the engine's now)
-            try:
-                item = await channel.get()
-                while item is IDLE or isinstance(item, tuple):  # (queued; its model loading)
-                    item = await channel.get()
-            finally:
-                channel.cancel()  # (gone: the engine drops it; else it is done with it)
-            if item is not PLAN_FIRST:
-                break
-        else:
-            return self.unavailable(request, f"Model {label!r} was unloaded {PLAN_TRIES} times "
-                                             "before this request could be planned")
+        # the model and hands it back (PlanFirst, with the model): it is
+        # planned here with it and sent again, so no tokenizing is done on
+        # the generation thread.
+        try:
+            planned = await self._in_lane(lane, self.engine.plan_embedding, parsed, args)
+            item = await self._submit_embedding(track, parsed, args, planned)
+            if isinstance(item, PlanFirst):
+                planned = await self._in_lane(lane, plan_embedding_request, item.lm, parsed)
+                item = None  # (the model let go before waiting: an unload frees it)
+                item = await self._submit_embedding(track, parsed, args, planned)
+        except PromptError as e:
+            return self.error(request, str(e), 400)
+        except (EngineUnavailable, LaneBusy) as e:
+            return self.unavailable(request, str(e))
+        del planned  # (the engine's now)
+        if isinstance(item, PlanFirst):  # (a plan for its model: never twice)
+            return self.unavailable(request, f"Model {label!r} could not be planned for")
         if isinstance(item, EngineUnavailable):
             return self.unavailable(request, str(item))
         if isinstance(item, Exception):
@@ -113,6 +102,20 @@ class Embeddings:
         track.record.prompt_tokens = item.prompt_tokens
         answer = await loop.run_in_executor(None, _answer, parsed, label, item)
         return self.json_response(request, answer)
+
+    async def _submit_embedding(self, track, parsed, args, planned):
+        """Submit to the engine and wait for its answer (the client's going
+        cancels the wait, and the engine drops the request)."""
+        channel = AsyncChannel(asyncio.get_running_loop())
+        self._arrived(track)
+        self.engine.submit(channel, parsed, args, planned)
+        try:
+            item = await channel.get()
+            while item is IDLE or isinstance(item, tuple):  # (queued; its model loading)
+                item = await channel.get()
+            return item
+        finally:
+            channel.cancel()  # (gone: the engine drops it; else it is done with it)
 
 
 def _answer(parsed, label: str, output) -> bytes:

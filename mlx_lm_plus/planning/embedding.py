@@ -45,10 +45,17 @@ class RerankRequest:
 
 
 EMBEDDING_REQUESTS = (EmbeddingsRequest, RerankRequest)
-# What the engine answers an embedding request that reached it unplanned
-# (its model was not loaded when the HTTP side looked): the model is loaded
-# now; plan it in a lane and send it again.
-PLAN_FIRST = object()
+
+
+@dataclass(frozen=True)
+class PlanFirst:
+    """What the engine answers an embedding request that reached it
+    unplanned (its model was not loaded when the HTTP side looked): the
+    model, loaded now. The HTTP side plans the request with it in a lane and
+    sends it again; the plan stays good if the model is unloaded and
+    loaded again meanwhile (its key and tokenizer are the same)."""
+
+    lm: object  # a provider.LoadedModel
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,10 @@ def _tokenized(embedder, texts, special_tokens: bool, what: str) -> list:
     for at in range(0, len(texts), SLICE):
         part = texts[at:at + SLICE]
         for i, text in enumerate(part, start=at):
-            if isinstance(text, str) and len(text) > (context + 1) * embedder.longest_token:
+            # (Whitespace left out: BERT's tokenizer drops it, sentencepiece
+            # collapses its runs.)
+            if isinstance(text, str) and len(text) > (context + 1) * embedder.longest_token \
+                    and len("".join(text.split())) > (context + 1) * embedder.longest_token:
                 raise PromptError(f"The {what} at index {i} has {len(text)} characters: more "
                                   f"than the model's context of {context} tokens")
         strings = [t for t in part if isinstance(t, str)]

@@ -153,3 +153,47 @@ def test_a_failed_pass_answers_its_jobs_only(models):
     run.step()
     assert answer(second).values.shape == (1, 64)
     assert not run.active
+
+
+def test_a_chunk_that_fails_after_the_first_answers_its_job(models):
+    lm = models["qwen3_embed"]
+    run, _ = runner(budget=8)
+    channel, other = Collect(), Collect()
+    run.add(channel, lm, plan(lm, [ids(30)]))
+    run.add(other, lm, plan(lm, [ids(5)]))
+    original, calls = lm.embedder.hidden, []
+
+    def fail_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a fault in chunk 2")
+        return original(*a, **kw)
+
+    lm.embedder.hidden = fail_second
+    try:
+        while run.active:
+            run.step()  # (never raises: the failure is the job's)
+    finally:
+        lm.embedder.hidden = original
+    error = channel.items.get_nowait()
+    assert isinstance(error, Exception) and "chunk 2" in str(error) and channel.items.empty()
+    assert answer(other).values.shape == (1, 64) and run.chunked is None
+
+
+def test_a_job_of_another_model_leads_while_small_requests_keep_coming(models):
+    """Jobs take turns by arrival, whatever finishes meanwhile: a job of
+    one model is not starved by a stream of one-input requests of another."""
+    bert, qwen = models["bert_embed"], models["qwen3_embed"]
+    run, _ = runner(budget=100)
+    waiting = Collect()
+    run.add(waiting, bert, plan(bert, [ids(10)] * 50))  # 5 passes' worth
+    run.add(Collect(), qwen, plan(qwen, [ids(10)] * 2000))
+    run.step()
+    run.step()  # (each has led once)
+    for step in range(40):
+        if step % 2 == 0:
+            run.add(Collect(), qwen, plan(qwen, [ids(10)]))  # one every other step
+        run.step()
+        if not waiting.items.empty():
+            break
+    assert answer(waiting).values.shape == (50, 64), step

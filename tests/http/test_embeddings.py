@@ -299,6 +299,33 @@ def test_models_list_says_what_each_model_serves(server):
                       "rerank": "rerank", "chat": "generate"}
 
 
+def test_requests_for_models_that_evict_one_another_are_all_answered(paths, reference,
+                                                                    tmp_path):
+    """With room for one model, concurrent requests for three embedders
+    load and unload them in turn: a request handed back to be planned once
+    its model is loaded is planned with that model, and answered right."""
+    config = tmp_path / "models.json"
+    config.write_text(json.dumps({"models": [{"name": n, "path": paths[n]}
+                                             for n in ("qembed", "bembed", "bcls")]}))
+    with ServerProcess(OURS, ["--models-config", str(config), "--max-loaded-models", "1"],
+                       log=tmp_path / "server.log") as s:
+        names = ["qembed", "bembed", "bcls"] * 6
+        answers = [None] * len(names)
+
+        def send(k):
+            answers[k] = post(s, "/v1/embeddings", {"model": names[k], "input": TEXTS[k % 6]})
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(len(names))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for k, (status, answer) in enumerate(answers):
+        assert status == 200, answer
+        np.testing.assert_allclose(vectors(answer)[0], reference.embed(names[k], TEXTS[k % 6]),
+                                   atol=1e-5)
+
+
 def test_openai_sdk_and_langchain(server, reference):
     from langchain_openai import OpenAIEmbeddings
     from openai import OpenAI
