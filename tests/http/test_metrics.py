@@ -133,7 +133,12 @@ def test_counters_and_histograms_after_a_scripted_sequence(server):
     assert records[0]["finish_reason"] == "cancelled" and records[0]["cached_tokens"] == 0
     assert all(r["ttft"] > 0 for r in records if r["status"] == 200)
     assert stats["series"] and {"in_flight", "cache_bytes", "generated_tokens"} <= set(stats["series"][-1])
-    assert stats["entries"] and all(e["tokens"] > 0 and e["bytes"] > 0 for e in stats["entries"])
+    # (An entry whose KV lies wholly inside a longer one's owns no bytes:
+    # the hung-up request's, when the greedy tokens it wrote before it left
+    # are a prefix of the next request's entry. How far it got is timing.)
+    assert stats["entries"] and all(e["tokens"] > 0 and e["bytes"] >= 0
+                                    for e in stats["entries"])
+    assert any(e["bytes"] > 0 for e in stats["entries"])
     status, newer = server.get(f"/v1/stats?since={records[-1]['ended']}")
     assert newer["requests"] == []
 
