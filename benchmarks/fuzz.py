@@ -420,6 +420,28 @@ def any_values(ctx: Context) -> Dict[str, st.SearchStrategy]:
     return {f: st.one_of(base, near[f]) if f in near else base for f in FIELDS}
 
 
+def mutations(valid_body, fields, valid, anything, extra, max_fields: int):
+    """(one_mutation, chaos) for an endpoint's bodies: a valid body with one
+    field (of `fields` or `extra`) set to anything; and a body of up to
+    `max_fields` fields, each valid or not, with unknown keys."""
+    @st.composite
+    def one_mutation(draw):
+        body = draw(valid_body())
+        f = draw(st.sampled_from(fields + extra))
+        body[f] = draw(anything.get(f, json_values))
+        return body
+
+    @st.composite
+    def chaos(draw):
+        body = {}
+        for f in draw(st.lists(st.sampled_from(fields), max_size=max_fields, unique=True)):
+            body[f] = draw(st.one_of(valid[f], anything[f]))
+        body.update(draw(st.dictionaries(weird_text(8), json_values, max_size=2)))
+        return body
+
+    return one_mutation, chaos
+
+
 def completion_body(ctx: Context, path: str) -> st.SearchStrategy:
     valid, anything = valid_values(ctx), any_values(ctx)
     main = "prompt" if path == TEXT else "messages"
@@ -440,20 +462,8 @@ def completion_body(ctx: Context, path: str) -> st.SearchStrategy:
             body["num_draft_tokens"] = draw(valid["num_draft_tokens"])
         return body
 
-    @st.composite
-    def one_mutation(draw):
-        body = draw(valid_body())
-        f = draw(st.sampled_from(FIELDS + ("user", "n", "response_format", "")))
-        body[f] = draw(anything.get(f, json_values))
-        return body
-
-    @st.composite
-    def chaos(draw):
-        body = {}
-        for f in draw(st.lists(st.sampled_from(FIELDS), max_size=8, unique=True)):
-            body[f] = draw(st.one_of(valid[f], anything[f]))
-        body.update(draw(st.dictionaries(weird_text(8), json_values, max_size=2)))
-        return body
+    one_mutation, chaos = mutations(valid_body, FIELDS, valid, anything,
+                                    ("user", "n", "response_format", ""), max_fields=8)
 
     @st.composite
     def with_images(draw):
@@ -836,20 +846,8 @@ def embedding_body(task: str) -> st.SearchStrategy:
             body[f] = draw(valid[f])
         return body
 
-    @st.composite
-    def one_mutation(draw):
-        body = draw(valid_body())
-        f = draw(st.sampled_from(fields + ("extra", "")))
-        body[f] = draw(anything.get(f, json_values))
-        return body
-
-    @st.composite
-    def chaos(draw):
-        body = {}
-        for f in draw(st.lists(st.sampled_from(fields), max_size=6, unique=True)):
-            body[f] = draw(st.one_of(valid[f], anything[f]))
-        body.update(draw(st.dictionaries(weird_text(8), json_values, max_size=2)))
-        return body
+    one_mutation, chaos = mutations(valid_body, fields, valid, anything, ("extra", ""),
+                                    max_fields=6)
 
     @st.composite
     def flood(draw):

@@ -311,22 +311,11 @@ async def send_valid(session, url, item, stream, hang_up, timeout, tally):
                 return
             text = reply.text
         else:
-            async def plain():
-                async with session.post(url + item.path, json=body) as r:
-                    return r.status, await r.text()
-
-            task = asyncio.ensure_future(plain())
-            if hang_up is not None:
-                done, _ = await asyncio.wait({task}, timeout=hang_up)
-                if not done:
-                    task.cancel()
-                    try:
-                        await task
-                    except (asyncio.CancelledError, aiohttp.ClientError):
-                        pass
-                    tally["disconnected"] += 1
-                    return
-            status, raw = await asyncio.wait_for(task, timeout)
+            answer = await post_or_hang_up(session, url + item.path, body, hang_up, timeout)
+            if answer is None:
+                tally["disconnected"] += 1
+                return
+            status, raw = answer
             if status != 200:
                 tally["failed"] += 1
                 note(tally, "failed", f"{what}: {status} {raw[:300]}")
@@ -353,29 +342,38 @@ async def send_valid(session, url, item, stream, hang_up, timeout, tally):
         note(tally, "mismatch", f"{what}: got {text!r} expected {item.reference!r}")
 
 
+async def post_or_hang_up(session, url, body, hang_up, timeout):
+    """POST `body` (not streamed): None when `hang_up` seconds pass first
+    (the client hangs up), else (status, text) within `timeout`
+    (asyncio.TimeoutError past it)."""
+    async def plain():
+        async with session.post(url, json=body) as r:
+            return r.status, await r.text()
+
+    task = asyncio.ensure_future(plain())
+    if hang_up is not None:
+        done, _ = await asyncio.wait({task}, timeout=hang_up)
+        if not done:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, aiohttp.ClientError):
+                pass
+            return None
+    return await asyncio.wait_for(task, timeout)
+
+
 async def send_embedding(session, url, item, hang_up, timeout, tally):
     """An embeddings or rerank request (never streamed): abandoned after
     `hang_up` seconds if one is given, else its numbers close to its
     reference."""
     tally["started"] += 1
-
-    async def plain():
-        async with session.post(url + item.path, json=item.body) as r:
-            return r.status, await r.text()
-
-    task = asyncio.ensure_future(plain())
     try:
-        if hang_up is not None:
-            done, _ = await asyncio.wait({task}, timeout=hang_up)
-            if not done:
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, aiohttp.ClientError):
-                    pass
-                tally["disconnected"] += 1
-                return
-        status, raw = await asyncio.wait_for(task, timeout)
+        answer = await post_or_hang_up(session, url + item.path, item.body, hang_up, timeout)
+        if answer is None:
+            tally["disconnected"] += 1
+            return
+        status, raw = answer
         if status != 200:
             tally["failed"] += 1
             note(tally, "failed", f"{item.name}: {status} {raw[:300]}")

@@ -43,14 +43,10 @@ def weights_bytes_on_disk(path) -> int:
     """The size of a model's weight files (what loading it will take, about):
     a local folder, or a Hugging Face repo already in the local cache; 0
     when neither (a download: known once loaded)."""
-    folder = Path(path)
+    folder = local_folder(path)
     try:
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(str(path), local_files_only=True))
-        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    except Exception:
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder else 0
+    except OSError:
         return 0
 
 

@@ -1,6 +1,8 @@
 """Embedding and rerank plans (planning/embedding.py): the work a request
 costs is bounded by the limits, not by its body."""
 
+import contextlib
+
 import pytest
 
 from mlx_lm_plus.errors import PromptError
@@ -32,45 +34,41 @@ def embedders(fixture_path):
                                ("qwen3_rerank", "rerank"))}
 
 
+@contextlib.contextmanager
 def counting(embedder):
-    embedder.tokenizer = Counting(embedder.tokenizer)
-    return embedder.tokenizer
+    """The embedder's tokenizer counted while in the block, then put back."""
+    tokenizer = embedder.tokenizer = Counting(embedder.tokenizer)
+    try:
+        yield tokenizer
+    finally:
+        embedder.tokenizer = tokenizer.tokenizer
 
 
 def test_a_text_too_long_to_fit_is_refused_from_its_length(embedders):
     bert = embedders["bert_embed"]
-    tokenizer = counting(bert)
-    try:
+    with counting(bert) as tokenizer:
         text = "cat " * (bert.longest_token * 200)
         with pytest.raises(PromptError, match="index 1 has .* characters"):
             plan_embeddings(bert, "k", EmbeddingsRequest("m", ("ok", text)))
         assert tokenizer.texts == 0  # (nothing tokenized)
-    finally:
-        bert.tokenizer = tokenizer.tokenizer
 
 
 def test_tokenizing_stops_at_the_slice_that_passes_the_total(embedders):
     qwen = embedders["qwen3_embed"]
-    tokenizer = counting(qwen)
-    try:
+    with counting(qwen) as tokenizer:
         text = "the cat sat on the mat " * 40  # (~200 tokens)
         per = len(tokenizer.tokenizer(text)["input_ids"])
         with pytest.raises(PromptError, match=f"more than {MAX_REQUEST_TOKENS} tokens"):
             plan_embeddings(qwen, "k", EmbeddingsRequest("m", (text,) * 2048))
         assert tokenizer.texts < MAX_REQUEST_TOKENS // per + 64 + 1 < 2048
-    finally:
-        qwen.tokenizer = tokenizer.tokenizer
 
 
 def test_a_rerank_query_is_counted_once(embedders):
     rerank = embedders["qwen3_rerank"]
-    tokenizer = counting(rerank)
-    try:
+    with counting(rerank) as tokenizer:
         with pytest.raises(PromptError, match="the query in each"):
             plan_rerank(rerank, "k", RerankRequest("m", "word " * 2000, ("d",) * 2048))
         assert tokenizer.texts == 1  # (the query, once)
-    finally:
-        rerank.tokenizer = tokenizer.tokenizer
 
 
 def test_token_ids_and_texts_keep_their_order_and_prompt_starts(embedders):
