@@ -169,15 +169,15 @@ def _mixed_batch(model, tok):
         {"type": "json_schema", "json_schema": {"name": "s", "schema": s}}), tok)
         for s in schemas]
     calls = {"row": 0, "batch": 0}
-    row_call, batch_call = ConstraintProcessor.__call__, ConstraintProcessor.process_batch
+    row_call, batch_call = ConstraintProcessor.__call__, ConstraintProcessor.mask_batch
 
     def counting_row(self, tokens, logits):
         calls["row"] += 1
         return row_call(self, tokens, logits)
 
-    def counting_batch(logits, rows):
+    def counting_batch(rows, shape):
         calls["batch"] += 1
-        return batch_call(logits, rows)
+        return batch_call(rows, shape)
 
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"json {i} " * (i + 1)}],
                                        add_generation_prompt=True) for i in range(5)]
@@ -185,7 +185,7 @@ def _mixed_batch(model, tok):
     rows = [[procs[0]], [penalty, procs[1]], [procs[2]], [], [penalty]]
     mp = pytest.MonkeyPatch()
     mp.setattr(ConstraintProcessor, "__call__", counting_row)
-    mp.setattr(ConstraintProcessor, "process_batch", staticmethod(counting_batch))
+    mp.setattr(ConstraintProcessor, "mask_batch", staticmethod(counting_batch))
     try:
         gen = BatchGenerator(model, stop_tokens=[[i] for i in tok.eos_token_ids],
                              completion_batch_size=8, prefill_batch_size=8)

@@ -316,7 +316,7 @@ _MASK = "mask"  # the matcher's mask (plus any extra ids)
 class ConstraintProcessor:
     """A logits processor for one request: `processor(tokens, logits) ->
     logits` in mlx-lm's BatchGenerator (or generate_step / stream_generate),
-    and `ConstraintProcessor.process_batch(logits, rows)` for every
+    and `ConstraintProcessor.mask_batch(rows, shape)` for every
     constrained row of a batch at once (patches/batched_logits_processors).
 
     Each call sees the request's tokens so far (prompt, then generated) and
@@ -350,11 +350,13 @@ class ConstraintProcessor:
     ConstraintError (before the request joins a batch).
 
     Cost: `mask_seconds` / `steps` is the CPU time per constrained step
-    (consume + mask + the mask as an array; see stats()). The masks are
+    (consume + mask + the mask as a bool array; see stats()). The masks are
     computed while the step's forward pass runs: the step starts it
-    (mx.async_eval) before handing the CPU to llguidance, which drops the GIL.
-    In a batch, one call fills every row's mask and one `where` applies them
-    all. What cannot be hidden: the mask needs
+    (mx.async_eval) before handing the CPU to llguidance, which drops the GIL
+    (in a batch on the CPU, on a worker thread: see patches/
+    batched_logits_processors). In a batch, one call fills every row's mask
+    (a LogitMask) and one `where` applies them all. What cannot be hidden:
+    the mask needs
     the token sampled at the previous step, so the step waits for it (mlx-lm
     otherwise queues the next step before the previous one is done); that
     wait happens while thinking too.
@@ -413,14 +415,15 @@ class ConstraintProcessor:
         else:
             need = self._advance(new)
         self._seen = tokens.size
-        return _apply(logits, [(0, self, need)], tic)
+        return LogitMask.applied(logits, _mask(logits.shape, [(0, self, need)], tic))
 
     @staticmethod
-    def process_batch(logits: mx.array, rows) -> mx.array:
-        """All constrained rows of a batch step at once. `rows`: (row index,
-        processor, the row's tokens in the KV cache as a list, the token
-        fed at this step); `logits` (batch, vocab), its forward pass already
-        queued by the caller. Other rows pass unchanged."""
+    def mask_batch(rows, shape) -> Optional["LogitMask"]:
+        """The mask of all constrained rows of a batch step, on the CPU
+        alone (numpy and llguidance: any thread may make it while the step's
+        forward pass runs). `rows`: (row index, processor, the row's tokens
+        in the KV cache as a list, the token fed at this step); `shape`: the
+        logits' (batch, vocab). Other rows pass unchanged; None: all do."""
         tic = time.perf_counter()
         needs = []
         for e, p, history, newest in rows:
@@ -430,7 +433,7 @@ class ConstraintProcessor:
                 need = p._advance(history[p._seen :] + [newest])
             p._seen = len(history) + 1
             needs.append((e, p, need))
-        return _apply(logits, needs, tic)
+        return _mask(shape, needs, tic)
 
     def _first(self, context) -> str:
         """The first call: the prompt sets the thinking state."""
@@ -527,16 +530,39 @@ class ConstraintProcessor:
         }
 
 
-def _apply(logits: mx.array, needs, tic: float) -> mx.array:
-    """Mask the rows of `logits` as `needs` says ((row, processor, need)):
-    every _MASK row's bitmask filled by its matcher, then one bool
-    array for the whole batch (rows not in `needs`, and _PASS rows, all
-    allowed) and one `where`. `tic`: when the step's work for them began."""
+@dataclass
+class LogitMask:
+    """What batched logits processors do to a step's logits: made on the
+    CPU with numpy (on any thread), applied on the generation thread in one
+    or two `where`s. Logits outside `keep` become -inf, then those in `fill`
+    0 (a row limited to a few ids samples one of them whatever their logits,
+    never from a row of -inf). Both (batch, vocab) bool arrays."""
+
+    keep: np.ndarray
+    fill: Optional[np.ndarray] = None
+
+    def apply(self, logits: mx.array) -> mx.array:
+        # (-inf and 0.0 are weak scalars: a bf16 batch stays bf16.)
+        out = mx.where(mx.array(self.keep), logits, -mx.inf)
+        if self.fill is not None:
+            out = mx.where(mx.array(self.fill), 0.0, out)
+        return out
+
+    @staticmethod
+    def applied(logits: mx.array, mask: Optional["LogitMask"]) -> mx.array:
+        return logits if mask is None else mask.apply(logits)
+
+
+def _mask(shape, needs, tic: float) -> Optional[LogitMask]:
+    """The mask of the rows `needs` names ((row, processor, need)) in
+    logits of `shape`: every _MASK row's bitmask filled by its matcher,
+    then one bool array for the whole batch (rows not in `needs`, and _PASS
+    rows, all allowed). `tic`: when the step's work for them began."""
     if all(need == _PASS for _, _, need in needs):
-        return logits
+        return None
     eos = [(e, p) for e, p, need in needs if need == _EOS]
     masked = [(e, p) for e, p, need in needs if need == _MASK]
-    batch, vocab = logits.shape
+    batch, vocab = shape
     allowed = np.ones((batch, vocab), dtype=bool)
     if masked:
         words = masked[0][1]._words  # one tokenizer per batch
@@ -568,14 +594,11 @@ def _apply(logits: mx.array, needs, tic: float) -> mx.array:
         at_eos[e, [t for t in p.eos_ids if t < vocab]] = True
         if at_eos[e].any():
             allowed[e] = False
-    out = mx.where(mx.array(allowed), logits, -mx.inf)
-    if eos:
-        out = mx.where(mx.array(at_eos), 0.0, out)
     work = [p for _, p, need in needs if need != _PASS]
     for p in work:
         p.steps += 1
         p.mask_seconds += (time.perf_counter() - tic) / len(work)
-    return out
+    return LogitMask(allowed, at_eos)
 
 
 def _find(seq: List[int], sub: Sequence[int]) -> int:

@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm_plus.planning.constraints import _rfind
+from mlx_lm_plus.planning.constraints import LogitMask, _rfind
 
 # reasoning effort -> thinking tokens (None: unbounded). OpenAI documents no
 # numbers; these leave "low" a short think, "medium" (the default effort of
@@ -85,29 +85,27 @@ class ThinkingBudget:
         return self.state == _DONE
 
     @staticmethod
-    def process_batch(logits: mx.array, rows) -> mx.array:
-        """All budgeted rows of a batch step at once (mlx_lm_plus/patches/
-        batched_logits_processors): `rows` (row index, processor, the row's
-        tokens in the KV cache, the token fed at this step); one `where`
-        for the rows being closed, the others unchanged."""
+    def mask_batch(rows, shape) -> Optional[LogitMask]:
+        """The mask of all budgeted rows of a batch step (mlx_lm_plus/
+        patches/batched_logits_processors), with numpy alone: `rows` (row
+        index, processor, the row's tokens in the KV cache, the token fed at
+        this step), `shape` the logits' (batch, vocab). The rows being
+        closed get their think-end token, the others pass; None: all do."""
         forced = []
         for e, p, _, newest in rows:
             token = p._step(newest)
             if token is not None:
                 forced.append((e, token))
         if not forced:
-            return logits
-        batch, vocab = logits.shape
+            return None
+        batch, vocab = shape
         keep = np.ones((batch, vocab), dtype=bool)
         only = np.zeros((batch, vocab), dtype=bool)
         for e, token in forced:
             if token < vocab:  # (else it can't be forced: max_tokens ends it)
                 keep[e] = False
                 only[e, token] = True
-        forcing = mx.where(mx.array(only), 0.0, -mx.inf).astype(logits.dtype)
-        # (In the logits' dtype: a float32 where would turn a bf16 batch's
-        # logits, every other row's too, into float32 on this step.)
-        return mx.where(mx.array(keep), logits, forcing)
+        return LogitMask(keep, only)
 
     @property
     def closed_early(self) -> bool:
@@ -119,7 +117,8 @@ class ThinkingBudget:
             return logits
         # (A batch of one: the token sampled at the last step, read now.)
         newest = tokens[-1].item() if self._calls else None
-        return ThinkingBudget.process_batch(logits, [(0, self, None, newest)])
+        return LogitMask.applied(
+            logits, ThinkingBudget.mask_batch([(0, self, None, newest)], logits.shape))
 
     def _step(self, newest: Optional[int]) -> Optional[int]:
         """Take the token fed at this step (the one sampled at the last;

@@ -85,7 +85,7 @@ def qwen3(fixture_path):
 
 @pytest.fixture(params=["batched", "per_row"])
 def step_kind(request):
-    """Both ways a batch reaches the processor: one process_batch call per
+    """Both ways a batch reaches the processor: one mask_batch call per
     step (patches/batched_logits_processors) and upstream's per-row calls."""
     patch = patches.batched_logits_processors
     if request.param == "per_row":

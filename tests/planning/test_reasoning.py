@@ -9,6 +9,7 @@ from mlx_lm import load
 
 from compat.launch import OURS, ServerProcess
 from mlx_lm_plus import patches
+from mlx_lm_plus.planning.constraints import LogitMask
 from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS, ThinkingBudget, thinking_budget
 from testkit.engine_harness import SEQUENTIAL
 from tests.planning.test_constraints import prompt_of, run_batch
@@ -179,7 +180,8 @@ def test_a_row_being_closed_leaves_the_batch_dtype_alone(qwen3):
     prompt = prompt_of(tok, "x") + list(tok.think_start_tokens)
     budget = Budget(0, tok, prompt)
     logits = mx.zeros((2, 64), dtype=mx.bfloat16)
-    out = Budget.process_batch(logits, [(0, budget, prompt[:-1], prompt[-1])])
+    out = LogitMask.applied(
+        logits, Budget.mask_batch([(0, budget, prompt[:-1], prompt[-1])], logits.shape))
     assert out.dtype == mx.bfloat16
     assert out[0, tok.think_end_tokens[0]].item() == 0 and mx.isinf(out[0, 5]).item()
     assert mx.array_equal(out[1], logits[1])
