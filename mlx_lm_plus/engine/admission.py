@@ -1,62 +1,105 @@
-"""What passes from planning to admission to a runner: a request's plan
-(`Planned`, made off the generation thread), what a batch needs to take it
-(`Admission`), and the states a request taken off the queue can be in."""
+"""A request's admission into a batch, on the generation thread: its plan
+(made here when it could not be made ahead), its cached prefix from the
+store, and on vision-language models its images through the vision tower
+and prefilled. `prepare` hands back the `Admission` a batch inserts (or
+PARKED, or None when the request was answered here); `count` answers a
+count_tokens request with its context alone.
 
-from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional
+Both use only the runner host (host.RunnerHost): the engine's loop decides
+where a request goes, this module what it takes to get it there.
+"""
 
-from mlx_lm_plus.planning.prompt import PromptPlan
+import logging
 
-# What a request taken off the queue waits for (Scheduler.readiness): nothing
-# (READY); a model load on the loader thread (LOADING: later requests may go
-# first); a model that must go idle to make room for its own (ROOM: later
-# requests wait behind it, but for those of pinned models, so the running
-# ones drain); or, served sequentially, the thread to itself (BLOCKED: every
-# later request waits behind it).
-READY, LOADING, ROOM, BLOCKED = "ready", "loading", "room", "blocked"
-# What admission returns for a request _Batch.park held back.
-PARKED = object()
-
-
-@dataclass(eq=False, frozen=True)  # (identity: Planner.image_plans is a WeakSet of them)
-class Planned:
-    """A request planned off the generation thread (`Planner.plan`, run by the
-    HTTP layer's planning thread): its prompt plan and its constraint's
-    logits processor, for the model it was planned with. The generation
-    thread uses it as it is when that model is the one it runs."""
-
-    model_key: Any
-    plan: PromptPlan
-    constraint: Any = None  # a constraints.ConstraintProcessor, or None
-    budget: Any = None  # a reasoning.ThinkingBudget, or None
-    # The model has a disk tier: Planner.read_ahead may read its entry first.
-    on_disk: bool = False
+from mlx_lm_plus.engine.distributed import ends_the_group
+from mlx_lm_plus.engine.handoffs import PARKED, Admission
+from mlx_lm_plus.engine.host import RunnerHost
+from mlx_lm_plus.engine.segments import prefill_chunk, with_divergence
+from mlx_lm_plus.engine.vision_prefill import resume
+from mlx_lm_plus.errors import Cancelled, PromptError, is_out_of_memory
+from mlx_lm_plus.models.provider import vision_of
 
 
-class Queued(NamedTuple):
-    """A request as the HTTP side submits it: its channel, the validated
-    request and its GenerationArguments, and its plan when one was made
-    ahead (None: planned at admission). The plan travels here, beside the
-    request, never written onto it."""
+def prepare(host: RunnerHost, lm, channel, request, args, planned=None, batch=None,
+            between_chunks=None):
+    """A request's admission into the batch: its plan, its cached prefix
+    and, on vision-language models, its images through the vision tower
+    and prefilled (unless the cache covers them; `between_chunks`: see
+    _resume). Errors that are the request's own are answered here
+    (None); others raise for the admission guard. `batch`: (the _Batch,
+    the request as queued), which may hold it back before anything is
+    fetched (PARKED), and whose requests may store its divergence
+    checkpoint already."""
+    planner = host.planner
+    try:
+        planned = planner.for_model(lm, request, args, planned)
+    except PromptError as e:
+        channel.put(e)
+        return None
+    plan = planned.plan
+    depth, divergence = planner.shared_depth(lm, plan)
+    if batch is not None:
+        if batch[0].park(batch[1], planned, depth):
+            return PARKED
+        if batch[0].will_store(plan.cache_key, divergence):
+            divergence = 0  # (another request of the batch stores it)
+    segments = with_divergence(plan, divergence)
+    found = host.store.fetch(lm.key, plan.cache_key)
+    cache, cached = found.cache, found.cached
+    ctx, stop_sequences = planner.context(lm, plan, args)
+    ctx.prompt_cache_count = cached
+    if vision_of(lm) is not None:
+        try:
+            cache, ctx.prompt_cache_count, cached = _resume(
+                host, lm, plan, segments, cache, cached, channel, between_chunks)
+        except Cancelled as stopped:
+            channel.removed()
+            logging.info(f"Stopped the image prefill of a cancelled request at prompt "
+                         f"token {stopped.args[0]}")
+            return None
+        except Exception as e:
+            if host.group.is_distributed and ends_the_group(e):
+                raise  # (the admission guard answers it; _run ends the group)
+            logging.exception("Image prefill failed")
+            if is_out_of_memory(e):
+                raise  # the admission guard answers 503
+            channel.put(PromptError(f"Could not process the images: {e}"))
+            return None
+    ctx.cache_miss = planner.explain_miss(lm, plan, ctx.prompt_cache_count)
+    return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
+                     *segments, planned.constraint, planned.budget)
 
-    channel: Any
-    request: Any  # protocols.validation.Request
-    args: Any  # mlx_lm.server.GenerationArguments
-    planned: Optional[Planned] = None
+
+def _resume(host: RunnerHost, lm, plan, segments, cache, cached, channel,
+            between_chunks=None):
+    """vision_prefill.resume at admission: progress on `channel`, and
+    `between_chunks()`, if given, run after each chunk (the chunks are
+    smaller while requests decode: prefill_chunk)."""
+    step = host.cli_args.prefill_step_size
+
+    def progress(cache):
+        own = host.prefill_progress(channel, cache)
+        if between_chunks is None:
+            return own
+
+        def chunk_done(done, total):
+            between_chunks()
+            own(done, total)  # (then the watchdog's beat is the chunk's again)
+        return chunk_done
+
+    if between_chunks is not None:
+        step = prefill_chunk(step, host.decoding())
+    return resume(lm, plan, segments, cache, cached, step=step, progress=progress,
+                  keep_checkpoints=host.facts.keep_checkpoints(lm),
+                  store=lambda key, kept, kind: host.store_entry(lm.key, key, kept, kind),
+                  on_every_rank=host.group.on_every_rank, observe=host.observe)
 
 
-@dataclass
-class Admission:
-    """A request ready to join a batch: everything `_Batch.insert` needs."""
-
-    channel: Any
-    args: Any
-    plan: PromptPlan
-    ctx: Any  # GenerationContext
-    stop_sequences: Any
-    cache: Optional[List[Any]]  # from the store (None: a fresh cache)
-    cached: int  # prompt tokens the cache covers
-    segments: List[List[int]]  # the rest of the prompt, split at checkpoints
-    segment_types: List[str]
-    constraint: Any
-    budget: Any = None  # a reasoning.ThinkingBudget, or None
+def count(host: RunnerHost, lm, channel, request, args):
+    """Plan a request and answer its context only: the prompt's size, as
+    the same request would be generated (count_tokens)."""
+    plan = host.planner.for_model(lm, request, args).plan  # PromptError: the guard answers
+    ctx, _ = host.planner.context(lm, plan, args)
+    ctx.prompt_cache_count = 0
+    channel.put(ctx)
+    channel.put(None)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from mlx_lm.generate import BatchGenerator
 
 from mlx_lm_plus.engine import taps
-from mlx_lm_plus.engine.admission import Admission, Planned, Queued
+from mlx_lm_plus.engine.handoffs import Admission, Planned, Queued
 from mlx_lm_plus.engine.channel import deliver
 from mlx_lm_plus.engine.distributed import HANDOFF_STOPPED
 from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost

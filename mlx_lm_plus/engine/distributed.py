@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlx_lm_plus.engine.admission import Queued
+from mlx_lm_plus.engine.handoffs import Queued
 from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.errors import EngineUnavailable, InternalError, ModelLoadError, is_out_of_memory
 from mlx_lm_plus.models.provider import group_max, loadable_fingerprint

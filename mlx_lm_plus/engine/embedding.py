@@ -22,7 +22,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_plus.errors import OutOfMemory, request_error
+from mlx_lm_plus.errors import OutOfMemory, PromptError, request_error
+from mlx_lm_plus.planning.embedding import (
+    EMBEDDING_REQUESTS, EmbeddingPlan, PlanFirst, plan_embedding_request,
+)
 
 # Inputs in one forward pass, at most.
 MAX_ROWS = 256
@@ -66,6 +69,25 @@ class EmbeddingRunner:
 
     def add(self, channel, lm, plan) -> None:
         self.jobs.append(_Job(channel, lm, plan))
+
+    def admit(self, channel, lm, request, planned) -> bool:
+        """An embedding or rerank request (or any request for an embedder,
+        `lm`) taken off the queue: joins the jobs if it was planned for
+        `lm` (True); else it is answered here: a request of the wrong kind
+        for the model is the client's 400, and one planned before its model
+        was loaded goes back to be planned in a lane (PlanFirst: nothing is
+        tokenized on this thread)."""
+        if not isinstance(request, EMBEDDING_REQUESTS):
+            try:  # (a chat request for an embedder: its 400, nothing tokenized)
+                plan_embedding_request(lm, request)
+            except PromptError as e:
+                channel.put(e)
+            return False
+        if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
+            channel.put(PlanFirst(lm))
+            return False
+        self.add(channel, lm, planned)
+        return True
 
     @property
     def active(self) -> bool:

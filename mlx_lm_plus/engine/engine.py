@@ -21,14 +21,22 @@ active batch. Its parts, each in a module of its own:
     scheduler.py     which request comes next; requests set aside; hand-off
     residency.py     which models are loaded; loads, room, unloads, disk tiers
     planner.py       a request's plan (prompt, constraint, budget, context)
+    handoffs.py      what passes from planning to admission to a runner
+    admission.py     a request's admission: plan, cached prefix, images
     facts.py         per-model facts: checkpoints, batchable or not
     batch.py         a model's batch (BatchGenerator), stepped here
     sequential.py    the sequential path (draft model, seed with XTC, mlx-vlm's own)
     vision_prefill   images through the vision tower at admission
     segments.py      where a prompt is cut into model calls (checkpoints)
     outputs.py       the events a request's channel gets
+    embedding.py     embedding and rerank requests: prefill-only batches
     distributed.py   mx.distributed: the group, its hand-offs, its errors
     watchdog.py      a step that never returns ends the process
+
+and three parts of the Engine class itself, each a file of its own:
+supervision.py (the loop restarted when it dies, the watchdog's shutdown),
+housekeeping.py (between turns: loads, keepalives, idle models unloaded)
+and figures.py (what the HTTP side reads: stats, models, memory).
 
 Differences from upstream, each on purpose:
   * with --kv-bits, requests are batched too (quantized_batch.py), where
@@ -58,46 +66,37 @@ import threading
 import time
 from concurrent.futures import Future
 from threading import Thread
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import mlx.core as mx
 from mlx_lm.server import TimeBudget
 
 from mlx_lm_plus.cache.layers import cache_nbytes
 from mlx_lm_plus.cache.store import PromptStore
-from mlx_lm_plus.engine.admission import PARKED, Admission, Planned, Queued
+from mlx_lm_plus.engine.admission import count, prepare
+from mlx_lm_plus.engine.handoffs import PARKED, Planned, Queued
 from mlx_lm_plus.engine.batch import _Batch
-from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.engine.embedding import EmbeddingRunner
-from mlx_lm_plus.engine.distributed import Group, ends_the_group, group_end_reason, group_lost_error, is_group_lost
+from mlx_lm_plus.engine.distributed import Group, ends_the_group
 from mlx_lm_plus.engine.facts import ModelFacts
+from mlx_lm_plus.engine.figures import EngineFigures
 from mlx_lm_plus.engine.host import Counters
+from mlx_lm_plus.engine.housekeeping import Housekeeping
 from mlx_lm_plus.engine.planner import Planner
 from mlx_lm_plus.engine.residency import ModelResidency
 from mlx_lm_plus.engine.scheduler import Scheduler
-from mlx_lm_plus.engine.segments import prefill_chunk, with_divergence
+from mlx_lm_plus.engine.segments import prefill_chunk
 from mlx_lm_plus.engine.sequential import SequentialRunner
-from mlx_lm_plus.engine.vision_prefill import resume
-from mlx_lm_plus.engine.watchdog import HANG_EXIT_STATUS, Watchdog
+from mlx_lm_plus.engine.supervision import Supervision
+from mlx_lm_plus.engine.watchdog import Watchdog
 from mlx_lm_plus.errors import (
-    Cancelled, EngineUnavailable, OutOfMemory, PromptError, RequestError, is_out_of_memory,
-    request_error,
+    Cancelled, EngineUnavailable, OutOfMemory, PromptError, RequestError, request_error,
 )
-from mlx_lm_plus.models.provider import vision_of
 from mlx_lm_plus.patches import apply_all as _apply_patches
-from mlx_lm_plus.planning.embedding import (
-    EMBEDDING_REQUESTS, EmbeddingPlan, PlanFirst, plan_embedding_request,
-)
+from mlx_lm_plus.planning.embedding import EMBEDDING_REQUESTS, plan_embedding_request
 from mlx_lm_plus.planning.vocab import check_vocab
 
-# Seconds between two looks at idle models (TTL, keep_alive).
-HOUSEKEEPING_EVERY = 0.25
-# Seconds between two keepalives to the requests set aside (waiting for a
-# model to load or for room): a stream's client and proxies see it is alive.
-KEEPALIVE_EVERY = 5.0
-
-
-class Engine:
+class Engine(Supervision, EngineFigures, Housekeeping):
     def __init__(self, model_provider, store: PromptStore):
         self.model_provider = model_provider
         self.store = store
@@ -173,37 +172,6 @@ class Engine:
     def arrivals(self, count: Callable[[], int]):
         self.scheduler.arrivals = count
 
-    @property
-    def steps(self) -> int:
-        return self.counters.steps
-
-    @property
-    def admitted(self) -> int:
-        return self.counters.admitted
-
-    @property
-    def tokens_out(self) -> int:
-        return self.counters.tokens_out
-
-    @property
-    def prompt_lookup(self) -> Dict[str, int]:
-        """Prompt lookup's figures over finished requests (speculation.py)."""
-        c = self.counters
-        return {"proposed_tokens": c.lookup_proposed, "accepted_tokens": c.lookup_accepted,
-                "verify_steps": c.lookup_steps}
-
-    @property
-    def embedding_stats(self) -> Dict[str, int]:
-        return {"batches": self.embeddings.batches, "inputs": self.embeddings.inputs}
-
-    @property
-    def thread_seconds(self) -> Dict[str, float]:
-        return self.counters.thread_seconds
-
-    @property
-    def planned_at_admission(self) -> int:
-        return self.planner.planned_at_admission
-
     def start(self):
         # The upstream fixes in patches/, applied here rather than on import
         # (idempotent; each checks it matches the installed mlx-lm).
@@ -223,34 +191,6 @@ class Engine:
     def _idle(self):
         self.watchdog.idle()
 
-    def _shut_down(self, reason: str):
-        """The engine can't go on: /health says why, every request held or
-        queued gets a 503 with the reason, and after --watchdog-grace seconds
-        the process exits (status 70) for a supervisor to restart it (under
-        mx.distributed: the whole group, every rank exits so)."""
-        grace = self.cli_args.watchdog_grace
-        with self._shutting_down:  # (the watchdog and the generation thread)
-            if self.hung:
-                return
-            self.hung = True
-        self.unhealthy_reason = f"{reason}; the process exits in {grace:g} s"
-        logging.critical(f"Watchdog: {self.unhealthy_reason}")
-        error = self._unavailable()
-        held = []
-        try:
-            held = self._held_channels()
-        except Exception:  # the stuck thread changed them under us: best effort
-            logging.exception("Watchdog: could not list every held request")
-        for channel in held:
-            channel.put(error)
-            channel.cancel()
-        self.scheduler.fail_queue(error)
-        self.group.fail_clear(error)
-        time.sleep(grace)
-        logging.critical(f"Watchdog: exiting with status {HANG_EXIT_STATUS}")
-        logging.shutdown()
-        self.exit_process(HANG_EXIT_STATUS)
-
     def relieve_memory(self):
         """After an allocation failure: give back half the prompt cache and
         MLX's buffer cache, so the next request has room."""
@@ -258,97 +198,9 @@ class Engine:
         gc.collect()
         mx.clear_cache()
 
-    def _run(self):
-        """The generation thread: run the loop, and restart it if it dies.
-
-        Failures inside one request or one batch step are handled below this
-        level. Anything that still escapes (a bug, a fault in MLX) lands here:
-        every request the thread held gets an EngineUnavailable, /health says
-        503 and new completions fail fast while the loop restarts with the
-        model it had loaded. Past max_restarts crashes in restart_window
-        seconds it stays down and says so, rather than crash-loop.
-        """
-        while not self._stop:
-            try:
-                self._generate()
-                return
-            except BaseException as e:
-                self._idle()  # nothing runs now: not a stuck step
-                if self.hung:
-                    return  # the watchdog answers everyone and ends the process
-                if self._is_distributed and self._stop and is_group_lost(e):
-                    # Stopping anyway (the others were stopped with this one).
-                    logging.warning(f"The distributed group ended while stopping: {e}")
-                    self._fail_held(EngineUnavailable("server shutting down"))
-                    self.scheduler.fail_queue(EngineUnavailable("server shutting down"))
-                    return
-                if self._is_distributed:
-                    # Every rank must take the same steps: a loop restarted
-                    # on this rank alone would wait on the others forever.
-                    what = group_end_reason(e)
-                    logging.exception(f"mlx_lm_plus: {what}: {e!r}")
-                    self._shut_down(f"{what}: {e}")
-                    return
-                logging.exception(f"mlx_lm_plus generation thread died: {e!r}")
-                self.unhealthy_reason = f"generation thread died: {e!r}"
-                self._fail_held(EngineUnavailable(f"generation engine failed: {e!r}"))
-                now = time.monotonic()
-                self._crash_times = [
-                    t for t in self._crash_times if now - t < self.restart_window
-                ] + [now]
-                if len(self._crash_times) > self.max_restarts or not isinstance(e, Exception):
-                    self.unhealthy_reason += " (not restarted: too many failures)"
-                    self.scheduler.fail_queue(EngineUnavailable(self.unhealthy_reason))
-                    return
-                time.sleep(self.restart_delay)
-                if self.hung:
-                    return
-                self.restarts += 1
-                logging.warning(f"Restarting the generation loop (restart {self.restarts})")
-                self.unhealthy_reason = None
-
-    def _held_channels(self) -> List[Channel]:
-        """The channel of every request the generation thread has taken."""
-        held = []
-        for batch in list(self._batches.values()):
-            held += [r["channel"] for r in list(batch.results.values())]
-            held += [r[0] for r in batch.held_back()]
-        held += [r[0] for r in list(self.scheduler.pending)]
-        held += self.embeddings.channels()
-        held += [c for c in (self._current, self._admitting, self.scheduler.admitting,
-                             self.scheduler.handing_off) if c is not None]
-        return held
-
-    def _fail_held(self, error: Exception):
-        """Answer every request the generation thread had taken with `error`."""
-        held = self._held_channels()
-        for batch in self._batches.values():
-            try:
-                batch.close()
-            except Exception:
-                pass
-        self._batches, self._current, self._admitting = {}, None, None
-        self.embeddings.forget()
-        self.scheduler.pending = []
-        for channel in held:
-            channel.put(error)
-        gc.collect()
-
     @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.unhealthy_reason is None
-
-    def _group_lost(self, e: BaseException) -> EngineUnavailable:
-        """The 503 of a request held when the distributed group ended. /health
-        says it from now on, before that request's client can ask (the
-        thread's _shut_down then adds when the process exits)."""
-        self.unhealthy_reason = f"{group_end_reason(e)}: {e}"
-        return group_lost_error(e)
-
-    def _unavailable(self) -> EngineUnavailable:
-        return EngineUnavailable(
-            f"Generation engine unavailable: {self.unhealthy_reason or 'not running'}"
-        )
 
     def submit(self, channel, request, args, planned: Optional[Planned] = None):
         """Queue a request (`planned`: its plan, made ahead by `plan`)."""
@@ -382,52 +234,10 @@ class Engine:
         follows once nothing runs."""
         self._clear_buffers = True
 
-    def cache_snapshot(self) -> Dict[str, Any]:
-        """The prompt cache's figures (safe from any thread)."""
-        return self.store.snapshot()
-
     def observe(self, histogram: str, value: float):
         """A rare event for the metrics (a removal, a vision tower call)."""
         if self.metrics is not None:
             getattr(self.metrics, histogram).observe(value)
-
-    def vision_stats(self) -> Optional[Dict[str, int]]:
-        return self.residency.vision_stats()
-
-    def models(self) -> List[Dict[str, Any]]:
-        """ModelResidency.describe: the served and loaded models (safe from
-        any thread: /v1/models, /metrics, the dashboard)."""
-        batches = dict(self._batches)
-        current = self._current_key
-        return self.residency.describe(
-            lambda key: (len(batches[key].results) if key in batches else 0) + (current == key)
-            + self.embeddings.held_for(key))
-
-    def serves_vision(self, model) -> bool:
-        return self.residency.serves_vision(model)
-
-    def image_max_pixels(self, model) -> Optional[int]:
-        return self.residency.image_max_pixels(model)
-
-    @staticmethod
-    def memory() -> Dict[str, int]:
-        """MLX's allocator figures, in bytes (safe from any thread)."""
-        return {
-            "mlx_active_bytes": mx.get_active_memory(),
-            "mlx_cache_bytes": mx.get_cache_memory(),
-            "mlx_peak_bytes": mx.get_peak_memory(),
-        }
-
-    def in_flight_nbytes(self) -> int:
-        """Bytes of the caches the batches hold (see _Batch.owned_nbytes)."""
-        return sum(b.owned_nbytes() for b in self._batches.values())
-
-    @property
-    def active_requests(self) -> int:
-        """Requests the generation thread holds (in the batch, sequential or
-        embedding)."""
-        n = sum(len(b.results) for b in list(self._batches.values()))
-        return n + (self._current is not None) + len(self.embeddings.jobs)
 
     def stop(self):
         """Stop the generation loop: every request it holds is answered
@@ -534,70 +344,6 @@ class Engine:
         if not self._is_distributed:
             mx.random.seed(time.time_ns() & (2**63 - 1))
 
-    def tick(self):
-        """What can't wait for the loop while a request is served
-        sequentially (called between its tokens and prefill chunks too): a
-        finished or overdue load, keepalives to the requests set aside."""
-        self.residency.poll_load()
-        now = time.monotonic()
-        # A keepalive once a request has waited KEEPALIVE_EVERY (a stream's
-        # headers go then: a short wait keeps its real status code); parked
-        # ones too, which may wait for another request's whole prefill.
-        held = [r for b in self._batches.values() for r in b.held_back()]
-        for request in self.scheduler.pending + held:
-            channel = request[0]
-            since = getattr(channel, "set_aside_at", None)
-            if since is not None and now - since >= KEEPALIVE_EVERY:
-                channel.set_aside_at = now
-                channel.put((0, 0))
-
-    def _housekeeping(self):
-        """`_tick`; idle models past their TTL or keep_alive are unloaded;
-        MLX's buffer cache is cleared after DELETE /v1/cache once nothing
-        runs."""
-        loading = self.residency.loading
-        now = time.monotonic()
-        if now - self._housekept < HOUSEKEEPING_EVERY and (
-                loading is None or not loading[1].done()):
-            return  # (a finished load is taken at once: its requests wait)
-        self._housekept = now
-        self.tick()
-        self.store.drop_stale_read_ahead()  # (a quiet server lets them go too)
-        if self._clear_buffers and not self._any_active():
-            self._clear_buffers = False
-            gc.collect()
-            mx.clear_cache()
-        if self.residency.unloaded and not self._any_active() and not self.scheduler.pending:
-            # An unloaded model's buffers back to the system (its weights went
-            # with their last reference: no cycles, so no gc.collect, which
-            # holds the GIL ~50 ms).
-            self.residency.unloaded = False
-            mx.clear_cache()
-        busy = {key for key in self.model_provider.loaded if self._in_use(key)}
-        busy |= self.scheduler.waiting_for() | {self._current_key}
-        self.residency.unload_idle(busy)
-
-    def _any_active(self) -> bool:
-        return any(b.active for b in self._batches.values()) or self.embeddings.active
-
-    def _in_use(self, key) -> bool:
-        batch = self._batches.get(key)
-        return self.embeddings.uses(key) or (
-            batch is not None and (batch.active or bool(batch.held_back())))
-
-    def _unloading(self, key):
-        """Model `key` is being unloaded (residency.py): its batch and plans
-        go."""
-        batch = self._batches.pop(key, None)
-        if batch is not None:
-            # (Never with requests in it: _in_use. Were it so, they are
-            # answered rather than left waiting.)
-            for r in batch.results.values():
-                r["channel"].put(EngineUnavailable(f"Model {key[0]} was unloaded"))
-            batch.close()
-        self.embeddings.fail(EngineUnavailable(f"Model {key[0]} was unloaded"), key)
-        self.planner.forget(key)
-
     # -- the generation loop --
 
     def _generate(self):
@@ -687,10 +433,14 @@ class Engine:
         if getattr(req, "keep_alive", None) is not None:
             lm.keep_alive = req.keep_alive
         if isinstance(req, EMBEDDING_REQUESTS) or lm.embedder is not None:
-            self._admit_embedding(lm, channel, req, planned)
+            if self.embeddings.admit(channel, lm, req, planned):
+                self.counters.admitted += 1
+                if self.scheduler.wave_since is None and not self.decoding():
+                    # (requests sent together share it)
+                    self.scheduler.wave_since = time.monotonic()
             return
         if getattr(req, "count_only", False):
-            self._count(lm, channel, req, args)
+            count(self, lm, channel, req, args)
             return
         if lm.vocab_size is not None:  # (checked by the API when it was loaded)
             try:
@@ -721,8 +471,8 @@ class Engine:
             self._step_batches()
             stepped += time.perf_counter() - step_tic
 
-        admission = self._prepare(
-            lm, channel, req, args, planned, batch=(batch, request),
+        admission = prepare(
+            self, lm, channel, req, args, planned, batch=(batch, request),
             between_chunks=None if self._is_distributed else between_chunks)
         if admission is not PARKED:
             if admission is not None:
@@ -731,105 +481,6 @@ class Engine:
                     self.scheduler.wave_since = time.monotonic()
             self.counters.admitted += 1
         self.counters.thread_seconds["admission"] += time.perf_counter() - tic - stepped
-
-    def _admit_embedding(self, lm, channel, request, planned):
-        """An embedding or rerank request joins the embedding runner's jobs,
-        planned here if it wasn't ahead (its model was not loaded then). A
-        request of the wrong kind for the model is the client's 400."""
-        if not isinstance(request, EMBEDDING_REQUESTS):
-            try:  # (a chat request for an embedder: its 400, nothing tokenized)
-                plan_embedding_request(lm, request)
-            except PromptError as e:
-                channel.put(e)
-            return
-        if not isinstance(planned, EmbeddingPlan) or planned.model_key != lm.key:
-            # Tokenizing is the planning lane's: the model is loaded now.
-            channel.put(PlanFirst(lm))
-            return
-        self.embeddings.add(channel, lm, planned)
-        self.counters.admitted += 1
-        if self.scheduler.wave_since is None and not self.decoding():
-            self.scheduler.wave_since = time.monotonic()  # (requests sent together share it)
-
-    def _prepare(self, lm, channel, request, args, planned=None, batch=None,
-                 between_chunks=None):
-        """A request's admission into the batch: its plan, its cached prefix
-        and, on vision-language models, its images through the vision tower
-        and prefilled (unless the cache covers them; `between_chunks`: see
-        _resume). Errors that are the request's own are answered here
-        (None); others raise for the admission guard. `batch`: (the _Batch,
-        the request as queued), which may hold it back before anything is
-        fetched (PARKED), and whose requests may store its divergence
-        checkpoint already."""
-        try:
-            planned = self.planner.for_model(lm, request, args, planned)
-        except PromptError as e:
-            channel.put(e)
-            return None
-        plan = planned.plan
-        depth, divergence = self.planner.shared_depth(lm, plan)
-        if batch is not None:
-            if batch[0].park(batch[1], planned, depth):
-                return PARKED
-            if batch[0].will_store(plan.cache_key, divergence):
-                divergence = 0  # (another request of the batch stores it)
-        segments = with_divergence(plan, divergence)
-        found = self.store.fetch(lm.key, plan.cache_key)
-        cache, cached = found.cache, found.cached
-        ctx, stop_sequences = self.planner.context(lm, plan, args)
-        ctx.prompt_cache_count = cached
-        if vision_of(lm) is not None:
-            try:
-                cache, ctx.prompt_cache_count, cached = self._resume(
-                    lm, plan, segments, cache, cached, channel, between_chunks)
-            except Cancelled as stopped:
-                channel.removed()
-                logging.info(f"Stopped the image prefill of a cancelled request at prompt "
-                             f"token {stopped.args[0]}")
-                return None
-            except Exception as e:
-                if self._is_distributed and ends_the_group(e):
-                    raise  # (the admission guard answers it; _run ends the group)
-                logging.exception("Image prefill failed")
-                if is_out_of_memory(e):
-                    raise  # the admission guard answers 503
-                channel.put(PromptError(f"Could not process the images: {e}"))
-                return None
-        ctx.cache_miss = self.planner.explain_miss(lm, plan, ctx.prompt_cache_count)
-        return Admission(channel, args, plan, ctx, stop_sequences, cache, cached,
-                         *segments, planned.constraint, planned.budget)
-
-    def _resume(self, lm, plan, segments, cache, cached, channel, between_chunks=None):
-        """vision_prefill.resume at admission: progress on `channel`, and
-        `between_chunks()`, if given, run after each chunk (the chunks are
-        smaller while requests decode: prefill_chunk)."""
-        step = self.cli_args.prefill_step_size
-
-        def progress(cache):
-            own = self.prefill_progress(channel, cache)
-            if between_chunks is None:
-                return own
-
-            def chunk_done(done, total):
-                between_chunks()
-                own(done, total)  # (then the watchdog's beat is the chunk's again)
-            return chunk_done
-
-        if between_chunks is not None:
-            step = prefill_chunk(step, self.decoding())
-        return resume(lm, plan, segments, cache, cached, step=step, progress=progress,
-                      keep_checkpoints=self.facts.keep_checkpoints(lm),
-                      store=lambda key, kept, kind: self.store_entry(lm.key, key, kept, kind),
-                      on_every_rank=self.group.on_every_rank, observe=self.observe)
-
-    def _count(self, lm, channel, request, args):
-        """Plan a request and answer its context only: the prompt's size, as
-        the same request would be generated (count_tokens)."""
-        plan = self.planner.for_model(lm, request, args).plan  # PromptError: the guard answers
-        ctx, _ = self.planner.context(lm, plan, args)
-        ctx.prompt_cache_count = 0
-        channel.put(ctx)
-        channel.put(None)
 
     def _forget(self, channel):
         """Drop every reference the generation thread holds to `channel`."""

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 from mlx_lm.generate import make_stop_sequences, make_text_state_machine
 from mlx_lm.server import GenerationContext
 
-from mlx_lm_plus.engine.admission import Planned
+from mlx_lm_plus.engine.handoffs import Planned
 from mlx_lm_plus.errors import PromptError
 from mlx_lm_plus.models.provider import own_vision, serves_images
 from mlx_lm_plus.models.vision import VisionPrompt

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlx_lm_plus.engine.admission import LOADING, READY, ROOM
+from mlx_lm_plus.engine.handoffs import LOADING, READY, ROOM
 from mlx_lm_plus.engine.distributed import GroupDiverged
 from mlx_lm_plus.errors import ModelLoadError
 from mlx_lm_plus.models.cpu import weights_identity

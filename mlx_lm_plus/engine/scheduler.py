@@ -8,7 +8,7 @@ import time
 from queue import Empty, Queue
 from typing import Callable, Optional, Tuple
 
-from mlx_lm_plus.engine.admission import BLOCKED, LOADING, READY, ROOM
+from mlx_lm_plus.engine.handoffs import BLOCKED, LOADING, READY, ROOM
 from mlx_lm_plus.engine.distributed import ends_the_group, pickled
 from mlx_lm_plus.errors import InternalError, request_error
 from mlx_lm_plus.planning.embedding import EMBEDDING_REQUESTS, EmbeddingPlan

@@ -108,12 +108,12 @@ def test_a_parked_request_gets_keepalives(fixture_path, monkeypatch):
     otherwise), as a request waiting for a model does."""
     import time
 
-    from mlx_lm_plus.engine import engine
+    from mlx_lm_plus.engine import housekeeping
     from mlx_lm_plus.protocols.validation import parse_request
     from testkit.engine_harness import Collect
 
-    monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.05)
-    monkeypatch.setattr(engine, "HOUSEKEEPING_EVERY", 0.01)
+    monkeypatch.setattr(housekeeping, "KEEPALIVE_EVERY", 0.05)
+    monkeypatch.setattr(housekeeping, "HOUSEKEEPING_EVERY", 0.01)
     system = "Yet another new system prompt, long enough to take a while. " * 60
     runner = EngineRunner(fixture_path("qwen3"), argv=["--prefill-step-size", "8"])
     try:

@@ -9,7 +9,7 @@ import time
 from mlx_lm_plus.engine import engine, planner
 from mlx_lm_plus.server import main
 
-_prepare, _step = engine.Engine._prepare, engine._Batch.step
+_prepare, _step = engine.prepare, engine._Batch.step
 _build_plan = planner.Planner.build
 hang = []
 
@@ -36,7 +36,7 @@ def step(self):
     return _step(self)
 
 
-engine.Engine._prepare, engine._Batch.step = prepare, step
+engine.prepare, engine._Batch.step = prepare, step
 planner.Planner.build = build_plan
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import pytest
 from mlx_lm.server import Response
 
 from mlx_lm_plus.engine import engine as engine_module
+from mlx_lm_plus.engine.housekeeping import HOUSEKEEPING_EVERY
+from mlx_lm_plus.engine.watchdog import HANG_EXIT_STATUS
 from mlx_lm_plus.errors import InternalError, OutOfMemory
 from testkit.engine_harness import SEQUENTIAL, Collect, EngineRunner
 
@@ -187,7 +189,7 @@ def test_an_mlx_error_on_a_rank_ends_the_group(fixture_path, monkeypatch, path,
         deadline = time.monotonic() + 30
         while not r.exits and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert r.exits == [engine_module.HANG_EXIT_STATUS]
+        assert r.exits == [HANG_EXIT_STATUS]
         assert f"{reason} of the distributed group" in r.engine.unhealthy_reason
         assert r.engine.restarts == 0  # (never a loop restarted on one rank)
     finally:
@@ -210,7 +212,7 @@ def test_any_error_in_a_batch_step_of_a_rank_ends_the_group(fixture_path, monkey
         deadline = time.monotonic() + 30
         while not r.exits and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert r.exits == [engine_module.HANG_EXIT_STATUS]
+        assert r.exits == [HANG_EXIT_STATUS]
     finally:
         r.close()
 
@@ -351,7 +353,7 @@ def test_housekeeping_lets_stale_reads_ahead_go_on_a_quiet_server(fixture_path):
         runner.loaded
         asked = []
         runner.store.drop_stale_read_ahead = lambda: asked.append(time.monotonic())
-        time.sleep(4 * engine_module.HOUSEKEEPING_EVERY)
+        time.sleep(4 * HOUSEKEEPING_EVERY)
         assert len(asked) >= 2
     finally:
         runner.close()

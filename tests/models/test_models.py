@@ -334,12 +334,12 @@ def test_engine_checks_the_vocabulary_of_a_model_it_loads_for_the_request(paths,
     would be written out of bounds. A request that waits KEEPALIVE_EVERY
     gets a keepalive (a stream: its headers), a shorter wait none (its
     status code stays its own)."""
-    from mlx_lm_plus.engine import engine
+    from mlx_lm_plus.engine import housekeeping
     from mlx_lm_plus.errors import PromptError
     from mlx_lm_plus.protocols.validation import parse_request
     from testkit.engine_harness import Collect, EngineRunner
 
-    monkeypatch.setattr(engine, "KEEPALIVE_EVERY", 0.3)
+    monkeypatch.setattr(housekeeping, "KEEPALIVE_EVERY", 0.3)
     runner = EngineRunner(paths["alpha"], argv=["--model", paths["beta"]])
     load = runner.provider.load
 
