@@ -460,7 +460,7 @@ def strips_billing_header() -> bool:
 def keeps_billing_header() -> bool:
     """Whether this server strips the billing header by default (and has
     --keep-billing-header not to)."""
-    from mlx_lm_plus.config import OUR_FLAGS
+    from mlx_lm_plus.config.flags import OUR_FLAGS
 
     return "--keep-billing-header" in OUR_FLAGS
 

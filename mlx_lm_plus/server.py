@@ -1,5 +1,5 @@
 """Command line entry point: `mlx_lm_plus.server --model X ...`, with the
-same flags as `mlx_lm.server` 0.32.2 (config.py)."""
+same flags as `mlx_lm.server` 0.32.2 (config/flags.py)."""
 
 import logging
 

@@ -7,7 +7,8 @@ import sys
 import mlx_lm.server as upstream
 import pytest
 
-from mlx_lm_plus.config import OUR_FLAGS, build_parser, parse_args
+from mlx_lm_plus.config import parse_args
+from mlx_lm_plus.config.flags import OUR_FLAGS, build_parser
 
 
 def upstream_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ module and the line.
     cache/      a library               -> nothing of ours
 
 Every room may use the package's leaf modules (errors, logs, upstream,
-codec); only app.py (the wiring) imports http/, and config.py (the flags,
+codec); only app.py (the wiring) imports http/, and config/ (the flags,
 read by server.py and app.py) looks only at models/ (the served set). Inside engine/, no module
 imports the facade (engine/engine.py) back.
 """
