@@ -163,7 +163,8 @@ def processor_timing(model_path: str, max_tokens: int) -> Dict[str, float]:
     """A ConstraintProcessor driven by stream_generate in this process."""
     from mlx_lm import load, stream_generate
 
-    from mlx_lm_plus.planning.constraints import ConstraintProcessor, compile_response_format
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor
+    from mlx_lm_plus.planning.grammars import compile_response_format
 
     model, tokenizer = load(model_path)
     grammar = compile_response_format(RESPONSE_FORMAT)
@@ -190,7 +191,8 @@ def processor_timing(model_path: str, max_tokens: int) -> Dict[str, float]:
 def llguidance_timing(model_path: str) -> Dict[str, float]:
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_lm_plus.planning.constraints import compile_response_format, mask_cost
+    from mlx_lm_plus.planning.constraints import mask_cost
+    from mlx_lm_plus.planning.grammars import compile_response_format
 
     tokenizer = load_tokenizer(Path(model_path))
     return mask_cost(compile_response_format(RESPONSE_FORMAT), tokenizer, json.dumps(SAMPLE),

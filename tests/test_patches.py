@@ -159,7 +159,8 @@ def _mixed_batch(model, tok):
     (outputs, how often each ConstraintProcessor entry point ran)."""
     from mlx_lm.sample_utils import make_repetition_penalty
 
-    from mlx_lm_plus.planning.constraints import ConstraintProcessor, compile_response_format
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor
+    from mlx_lm_plus.planning.grammars import compile_response_format
     from tests.planning.test_constraints import run_batch
 
     schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},

@@ -79,8 +79,8 @@ _HANDED_OFF_CLASSES = {
     ("mlx_lm.server", "GenerationArguments"), ("mlx_lm.server", "SamplingArguments"),
     ("mlx_lm.server", "LogitsProcessorArguments"), ("mlx_lm.server", "ModelDescription"),
     ("mlx_lm_plus.protocols.validation", "Request"), ("mlx_lm_plus.models.vision", "DecodedImage"),
-    ("mlx_lm_plus.planning.constraints", "Grammar"), ("mlx_lm_plus.planning.constraints", "ForcedToolCall"),
-    ("mlx_lm_plus.planning.constraints", "StrictToolCalls"), ("PIL.Image", "Image"),
+    ("mlx_lm_plus.planning.grammars", "Grammar"), ("mlx_lm_plus.planning.grammars", "ForcedToolCall"),
+    ("mlx_lm_plus.planning.grammars", "StrictToolCalls"), ("PIL.Image", "Image"),
     ("builtins", "set"), ("builtins", "frozenset"),
 }
 

@@ -20,7 +20,8 @@ from mlx_lm_plus.engine.handoffs import Planned
 from mlx_lm_plus.errors import PromptError
 from mlx_lm_plus.models.provider import own_vision, serves_images
 from mlx_lm_plus.models.vision import VisionPrompt
-from mlx_lm_plus.planning.constraints import ConstraintError, processor_for
+from mlx_lm_plus.planning.constraints import processor_for
+from mlx_lm_plus.planning.grammars import ConstraintError
 from mlx_lm_plus.planning.prompt import (
     PromptPlan, build_prompt, check_prompt_size, prompt_chars, template_kwargs,
 )

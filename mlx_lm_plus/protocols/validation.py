@@ -38,7 +38,7 @@ class Request(CompletionRequest):
     # Plan the prompt and answer its size only (/v1/messages/count_tokens).
     count_only: bool = False
     # Structured output, as asked (checked here, compiled by the API into
-    # `constraint`, a constraints.Grammar the engine enforces).
+    # `constraint`, a grammars.Grammar the engine enforces).
     response_format: Optional[Dict[str, Any]] = None
     tool_choice: Any = None
     constraint: Any = None
@@ -371,7 +371,7 @@ def refuse_foreign_enforcement(body: Dict[str, Any], names=FOREIGN_ENFORCEMENT,
 
 def _structured_output(request: Request, body: Dict[str, Any]) -> None:
     """response_format (both endpoints) and tool_choice (chat), by shape;
-    the schemas themselves are compiled by constraints.py."""
+    the schemas themselves are compiled by grammars.py."""
     refuse_foreign_enforcement(body)
     response_format = body.get("response_format")
     if response_format is not None:

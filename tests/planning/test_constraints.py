@@ -17,14 +17,12 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from mlx_lm_plus import patches
-from mlx_lm_plus.planning.constraints import (
+from mlx_lm_plus.planning.constraints import ConstraintProcessor, mask_cost, processor_for
+from mlx_lm_plus.planning.grammars import (
     ConstraintError,
-    ConstraintProcessor,
     StrictToolCalls,
     compile_response_format,
     grammar_for,
-    mask_cost,
-    processor_for,
     tool_call_grammar,
 )
 from testkit.schema_corpus import SAMPLES, SCHEMAS, UNSUPPORTED

@@ -98,7 +98,7 @@ def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
 
     from PIL import Image
 
-    from mlx_lm_plus.planning.constraints import ForcedToolCall, Grammar, StrictToolCalls
+    from mlx_lm_plus.planning.grammars import ForcedToolCall, Grammar, StrictToolCalls
     from mlx_lm_plus.engine.distributed import _unpickle
     from mlx_lm_plus.config import parse_args
     from mlx_lm_plus.protocols.validation import parse_request
