@@ -145,6 +145,15 @@ _MOVED_MODULES = {
 _MOVED_CLASSES = {
     "mlx_lm_plus.cache:StoredKV": "mlx_lm_plus.cache.layers:StoredKV",
     "mlx_lm_plus.cache.store:StoredKV": "mlx_lm_plus.cache.layers:StoredKV",
+    # A vision model's layer caches went from vision.py to models/vlm_text.py
+    # (MRopeBatchKVCache too, but files hold rows, never a batch).
+    "mlx_lm_plus.vision:MRopeKVCache": "mlx_lm_plus.models.vlm_text:MRopeKVCache",
+    "mlx_lm_plus.vision:PlainKVCache": "mlx_lm_plus.models.vlm_text:PlainKVCache",
+    "mlx_lm_plus.vision:PlainRotatingKVCache": "mlx_lm_plus.models.vlm_text:PlainRotatingKVCache",
+    "mlx_lm_plus.models.vision:MRopeKVCache": "mlx_lm_plus.models.vlm_text:MRopeKVCache",
+    "mlx_lm_plus.models.vision:PlainKVCache": "mlx_lm_plus.models.vlm_text:PlainKVCache",
+    "mlx_lm_plus.models.vision:PlainRotatingKVCache":
+        "mlx_lm_plus.models.vlm_text:PlainRotatingKVCache",
 }
 
 

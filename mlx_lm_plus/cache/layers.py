@@ -35,7 +35,7 @@ from mlx_lm.models.cache import (
 def is_plain_kv(c) -> bool:
     """A KVCache that holds exactly its tokens' keys and values (any prefix of
     it is valid): KVCache and subclasses that only add bookkeeping, such as
-    vision.MRopeKVCache; not ChunkedKVCache, which drops old chunks."""
+    vlm_text.MRopeKVCache; not ChunkedKVCache, which drops old chunks."""
     return isinstance(c, KVCache) and not isinstance(c, ChunkedKVCache)
 
 
@@ -97,7 +97,7 @@ def own_buffers(layer, copied_from: list):
 
 def extra_attributes(layer) -> Dict[str, Any]:
     """A plain KV layer's attributes beside keys, values and offset (such as
-    vision.MRopeKVCache's rope_delta)."""
+    vlm_text.MRopeKVCache's rope_delta)."""
     return {k: v for k, v in vars(layer).items() if k not in ("keys", "values", "offset")}
 
 
@@ -106,7 +106,7 @@ class StoredKV(QuantizedKVCache):
     (packed, scales, biases) keys and values (so its `nbytes`, `trim` and
     `is_trimmable` hold as they are), plus what turns it back into the layer
     it was: the class, the attributes beside keys/values/offset (such as
-    vision.MRopeKVCache's rope_delta) and the dtype. Never handed out."""
+    vlm_text.MRopeKVCache's rope_delta) and the dtype. Never handed out."""
 
     def __init__(self, layer: KVCache, bits: int, group_size: int):
         super().__init__(group_size=group_size, bits=bits)

@@ -78,7 +78,7 @@ def group_lost_error(error: BaseException) -> "EngineUnavailable":
 _HANDED_OFF_CLASSES = {
     ("mlx_lm.server", "GenerationArguments"), ("mlx_lm.server", "SamplingArguments"),
     ("mlx_lm.server", "LogitsProcessorArguments"), ("mlx_lm.server", "ModelDescription"),
-    ("mlx_lm_plus.protocols.validation", "Request"), ("mlx_lm_plus.models.vision", "DecodedImage"),
+    ("mlx_lm_plus.protocols.validation", "Request"), ("mlx_lm_plus.models.images", "DecodedImage"),
     ("mlx_lm_plus.planning.grammars", "Grammar"), ("mlx_lm_plus.planning.grammars", "ForcedToolCall"),
     ("mlx_lm_plus.planning.grammars", "StrictToolCalls"), ("PIL.Image", "Image"),
     ("builtins", "set"), ("builtins", "frozenset"),

@@ -15,7 +15,7 @@ fetched layer's buffers: no copy). `BatchGenerator` merges a batch's caches
 with the class of its first request's layer, so every prompt batch and
 generation batch it builds is made of these; other layers (recurrent) are
 batched as upstream does. Models with other layers upstream would quantize
-(rotating: upstream raises; vision.MRopeKVCache), or with head dims that
+(rotating: upstream raises; vlm_text.MRopeKVCache), or with head dims that
 --kv-group-size does not divide, stay on the sequential path
 (`supports_quantized_batching`).
 
@@ -75,7 +75,7 @@ def supports_quantized_batching(model, group_size: int) -> bool:
     """Whether --kv-bits requests on `model` may be batched here: every layer
     that upstream would quantize (`to_quantized`) is a plain KVCache whose
     head dims `group_size` divides. A rotating layer (upstream raises on
-    it) or a KVCache subclass with state of its own (vision.MRopeKVCache)
+    it) or a KVCache subclass with state of its own (vlm_text.MRopeKVCache)
     keeps the model on the sequential path; so do head dims mx.quantize
     can not take (16 with any group size, 96 with 64): there each request
     that reaches --quantized-kv-start fails alone, as upstream's, where in

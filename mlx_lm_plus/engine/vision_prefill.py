@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_lm_plus.cache.layers import trims_to_any_prefix
 from mlx_lm_plus.models.provider import vision_of
-from mlx_lm_plus.models.vision import set_rope_delta
+from mlx_lm_plus.models.vlm_text import set_rope_delta
 
 
 def resume(lm, plan, segments, cache, cached, *, step: int,

@@ -15,7 +15,7 @@ from mlx_lm_plus.cache.store import READ_AHEAD_SECONDS
 from mlx_lm_plus.errors import EngineUnavailable, PromptError
 from mlx_lm_plus.http.bodies import BodyError, parse_body
 from mlx_lm_plus.logs import warn_once
-from mlx_lm_plus.models.vision import decode_images
+from mlx_lm_plus.models.images import decode_images
 from mlx_lm_plus.planning.grammars import (
     ConstraintError,
     ConstraintUnavailable,

@@ -23,7 +23,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from mlx_lm_plus.models.vision import DecodedImage, read_json, decode_images, load_vlm
+from mlx_lm_plus.models.images import DecodedImage, decode_images
+from mlx_lm_plus.models.vision import read_json, load_vlm
 
 
 @dataclass

@@ -31,7 +31,7 @@ from mlx_lm_plus.planning.reasoning import EFFORT_BUDGETS
 @dataclass
 class Request(CompletionRequest):
     """Upstream's CompletionRequest, plus its images decoded and fingerprinted
-    before it reaches the engine (vision.DecodedImage, in the order of the
+    before it reaches the engine (images.DecodedImage, in the order of the
     messages' image parts; None: not decoded yet)."""
 
     images: Optional[List[Any]] = None

@@ -669,7 +669,7 @@ from mlx_lm_plus.cache.layers import (  # noqa: E402
     quantize_for_store,
     restore_from_store,
 )
-from mlx_lm_plus.models.vision import MRopeKVCache  # noqa: E402
+from mlx_lm_plus.models.vlm_text import MRopeKVCache  # noqa: E402
 
 HEADS, DIM = 4, 64  # head dim 64: one quantization group per head and token
 

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import (
 
 from mlx_lm_plus.cache import disk as disk_cache
 from mlx_lm_plus.cache.disk import DiskTier, model_identity
-from mlx_lm_plus.models.vision import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
+from mlx_lm_plus.models.vlm_text import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +232,7 @@ def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkey
     old_names = []
 
     def before_the_split(cls):  # as the files written then name the classes
-        name = new_name(cls).replace("mlx_lm_plus.models.vision:", "mlx_lm_plus.vision:")
+        name = new_name(cls).replace("mlx_lm_plus.models.vlm_text:", "mlx_lm_plus.vision:")
         name = name.replace("mlx_lm_plus.cache.layers:", f"{stored_kv_module}:")
         old_names.append(name) if name != new_name(cls) else None
         return name

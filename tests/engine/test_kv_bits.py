@@ -374,7 +374,7 @@ def test_mrope_layers_keep_their_delta_under_kv_bits():
     M-RoPE delta: it stays as it is."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
-    from mlx_lm_plus.models.vision import MRopeKVCache
+    from mlx_lm_plus.models.vlm_text import MRopeKVCache
 
     layer = MRopeKVCache(rope_delta=-37)
     layer.update_and_fetch(mx.ones((1, 2, 8, 64)), mx.ones((1, 2, 8, 64)))

@@ -282,7 +282,7 @@ def test_image_requests_are_planned_off_the_generation_thread(runner, cold):
     import threading
 
     from mlx_lm_plus.protocols.validation import parse_request
-    from mlx_lm_plus.models.vision import decode_images
+    from mlx_lm_plus.models.images import decode_images
     from testkit.engine_harness import Collect
 
     body = {"messages": [user(image_part(noise(11)), "Planned elsewhere?")], "max_tokens": 8}
@@ -312,7 +312,7 @@ def test_image_prompts_are_counted_off_the_generation_thread(runner):
     import copy
 
     from mlx_lm_plus.protocols.validation import parse_request
-    from mlx_lm_plus.models.vision import decode_images
+    from mlx_lm_plus.models.images import decode_images
 
     body = {"messages": [user(image_part(noise(12)), "How many tokens?")], "max_tokens": 2}
     runner.loaded
@@ -382,7 +382,7 @@ def test_image_formats(runner, fmt):
     tokens, prompt, _ = runner.run({"messages": [user(image_part(url), "What?")], "max_tokens": 4})
     assert len(tokens) == 4
     if fmt == "GIF":
-        from mlx_lm_plus.models.vision import decode_image, fingerprint
+        from mlx_lm_plus.models.images import decode_image, fingerprint
 
         assert fingerprint(decode_image(url)) == fingerprint(frames[0].convert("RGB"))
 
@@ -523,7 +523,7 @@ def test_image_prompt_checkpoints_when_newlines_merge(fixture_path, tmp_path):
 
 
 def test_decode_image_scales_down_to_the_processor_limit():
-    from mlx_lm_plus.models.vision import decode_image
+    from mlx_lm_plus.models.images import decode_image
 
     url = noise(1, size=(2000, 1000))
     small = decode_image(url, max_pixels=200_000)
@@ -541,14 +541,14 @@ async def test_images_decoded_off_the_generation_thread_with_keepalives(
     import threading
 
     from compat.launch import parse_sse
-    from mlx_lm_plus.models import vision
+    from mlx_lm_plus.models import images
     from mlx_lm_plus.http.server import make_app
     from mlx_lm_plus.app import build
     from mlx_lm_plus.config import parse_args
 
     threads = []
-    real = vision.decode_image
-    monkeypatch.setattr(vision, "decode_image", lambda *a, **kw: (
+    real = images.decode_image
+    monkeypatch.setattr(images, "decode_image", lambda *a, **kw: (
         threads.append(threading.current_thread().name), real(*a, **kw))[1])
     cli = parse_args(["--model", str(fixture_path("qwen2_vl")), "--prefill-step-size", "8"])
     engine, server = build(cli)

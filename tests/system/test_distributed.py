@@ -102,7 +102,7 @@ def test_requests_handed_to_other_ranks_unpickle_and_nothing_else(fixture_path):
     from mlx_lm_plus.engine.distributed import _unpickle
     from mlx_lm_plus.config import parse_args
     from mlx_lm_plus.protocols.validation import parse_request
-    from mlx_lm_plus.models.vision import decode_images
+    from mlx_lm_plus.models.images import decode_images
 
     out = io.BytesIO()
     Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
