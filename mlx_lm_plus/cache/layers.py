@@ -12,8 +12,9 @@ batch's buffers (`own_buffers`, `compact`), whether a cache can be cut to
 any prefix (`trims_to_any_prefix`), and its bytes (`cache_nbytes`).
 
 Apart from store.py so that the disk tier uses these without reaching into
-the store; StoredKV's files name this module (disk.py resolves the older
-names, `mlx_lm_plus.cache:StoredKV` and `mlx_lm_plus.cache.store:StoredKV`).
+the store; StoredKV's files name this module (disk_format.py resolves the
+older names, `mlx_lm_plus.cache:StoredKV` and
+`mlx_lm_plus.cache.store:StoredKV`).
 """
 
 import copy

@@ -216,7 +216,8 @@ class ModelResidency:
         if (not args.prompt_cache_dir
                 or self.group.is_distributed or self.store.disk_for(key) is not None):
             return
-        from mlx_lm_plus.cache.disk import DiskTier, model_identity
+        from mlx_lm_plus.cache.disk import DiskTier
+        from mlx_lm_plus.cache.disk_format import model_identity
 
         model, adapter, draft = key
         extra = f"bits={self.store.bits},group={self.store.group_size}"

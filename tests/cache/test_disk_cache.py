@@ -33,7 +33,9 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_lm_plus.cache import disk as disk_cache
-from mlx_lm_plus.cache.disk import DiskTier, model_identity
+from mlx_lm_plus.cache import disk_index, disk_writer
+from mlx_lm_plus.cache.disk import DiskTier
+from mlx_lm_plus.cache.disk_format import model_identity
 from mlx_lm_plus.models.vlm_text import MRopeKVCache, PlainKVCache, PlainRotatingKVCache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,33 +217,36 @@ def test_quantized_store_layers_round_trip(tier_dir):
 
 
 @pytest.mark.parametrize("stored_kv_module", ["mlx_lm_plus.cache", "mlx_lm_plus.cache.store"])
+@pytest.mark.parametrize("vision_module", ["mlx_lm_plus.vision", "mlx_lm_plus.models.vision"])
 def test_entries_naming_the_modules_before_the_split_still_load(tier_dir, monkeypatch,
-                                                                stored_kv_module):
+                                                                stored_kv_module,
+                                                                vision_module):
     """Files record layer classes as module:qualname. Entries written before
     the package moved into folders name mlx_lm_plus.vision and
     mlx_lm_plus.cache; those written before the layer helpers left the
-    store name mlx_lm_plus.cache.store (StoredKV): they load as the classes
-    that moved."""
-    from mlx_lm_plus.cache import disk
+    store name mlx_lm_plus.cache.store (StoredKV), and before a vision
+    model's layer caches left models/vision.py, mlx_lm_plus.models.vision:
+    they load as the classes that moved."""
+    from mlx_lm_plus.cache import disk_format
     from mlx_lm_plus.cache.layers import quantize_for_store
 
     layers = [kv(3, cls=PlainKVCache, seed=6), kv(4, mx.bfloat16, MRopeKVCache, seed=2, dim=32)]
     layers = [layers[0]] + quantize_for_store(layers[1:], 4, 32)
     want = flat(layers)
-    new_name = disk._type_name
+    new_name = disk_format._type_name
     old_names = []
 
     def before_the_split(cls):  # as the files written then name the classes
-        name = new_name(cls).replace("mlx_lm_plus.models.vlm_text:", "mlx_lm_plus.vision:")
+        name = new_name(cls).replace("mlx_lm_plus.models.vlm_text:", f"{vision_module}:")
         name = name.replace("mlx_lm_plus.cache.layers:", f"{stored_kv_module}:")
         old_names.append(name) if name != new_name(cls) else None
         return name
 
-    monkeypatch.setattr(disk, "_type_name", before_the_split)
+    monkeypatch.setattr(disk_format, "_type_name", before_the_split)
     t = make_tier(tier_dir)
     stored(t, [1, 2, 3], layers)
     t.close()
-    assert {n.split(":")[0] for n in old_names} == {"mlx_lm_plus.vision", stored_kv_module}
+    assert {n.split(":")[0] for n in old_names} == {vision_module, stored_kv_module}
     t = make_tier(tier_dir)
     back = t.load(t.find([1, 2, 3, 4])[1])
     assert back is not None and flat(back) == want
@@ -477,7 +482,7 @@ KILLED_WRITER = """
 import os, sys, threading, time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from mlx_lm_plus.cache import disk as disk_cache
+from mlx_lm_plus.cache import disk_writer
 from mlx_lm_plus.cache.disk import DiskTier
 
 def kv(n):
@@ -496,7 +501,7 @@ def stuck(path, tensors, metadata):  # half a file, then the process dies
     print("writing", flush=True)
     time.sleep(60)
 
-disk_cache._write_safetensors = stuck
+disk_writer._write_safetensors = stuck
 t.put([4, 5, 6], [kv(3)], "prompt")
 time.sleep(60)
 """
@@ -694,7 +699,7 @@ def test_folder_that_is_a_link_or_another_users_is_refused(tier_dir, tmp_path, m
 def test_full_disk_stops_writing_and_keeps_serving(tier_dir, monkeypatch, caplog):
     t = make_tier(tier_dir)
     stored(t, [1, 2, 3], [kv(3)])
-    real = disk_cache._write_safetensors
+    real = disk_writer._write_safetensors
     calls = []
 
     def full(path, tensors, metadata):
@@ -703,7 +708,7 @@ def test_full_disk_stops_writing_and_keeps_serving(tier_dir, monkeypatch, caplog
             f.write(b"\0" * 10)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_cache, "_write_safetensors", full)
+    monkeypatch.setattr(disk_writer, "_write_safetensors", full)
     monkeypatch.setattr(t, "pause_s", 0.5)
     stored(t, [4, 5, 6], [kv(3)])
     snap = t.snapshot()
@@ -718,7 +723,7 @@ def test_full_disk_stops_writing_and_keeps_serving(tier_dir, monkeypatch, caplog
     assert t.load(t.find([1, 2, 3, 4])[1]) is not None
     assert t._writer.is_alive()
     # After the pause (space freed), writing resumes.
-    monkeypatch.setattr(disk_cache, "_write_safetensors", real)
+    monkeypatch.setattr(disk_writer, "_write_safetensors", real)
     time.sleep(0.6)
     assert not t.snapshot()["full"]
     stored(t, [4, 5, 6], [kv(3)])
@@ -775,13 +780,13 @@ def test_writer_survives_unexpected_errors(tier_dir, monkeypatch, caplog):
 
 def test_queue_is_bounded(tier_dir, monkeypatch):
     release = threading.Event()
-    real = disk_cache._write_safetensors
+    real = disk_writer._write_safetensors
 
     def slow(*a):
         release.wait(10)
         real(*a)
 
-    monkeypatch.setattr(disk_cache, "_write_safetensors", slow)
+    monkeypatch.setattr(disk_writer, "_write_safetensors", slow)
     t = make_tier(tier_dir, max_queue_bytes=1000)
     t.put([1], [kv(40)], "prompt")  # 2560 bytes: taken, the queue was empty
     t.put([2], [kv(2)], "prompt")  # 128 more: over 1000, dropped
@@ -800,14 +805,14 @@ def test_clear_drops_writes_queued_before_it(tier_dir, monkeypatch):
     one waiting in the queue when it comes never land (nor come back after a
     restart); what is put after it does."""
     started, release = threading.Event(), threading.Event()
-    real = disk_cache._write_safetensors
+    real = disk_writer._write_safetensors
 
     def slow(*a):
         started.set()
         release.wait(10)
         real(*a)
 
-    monkeypatch.setattr(disk_cache, "_write_safetensors", slow)
+    monkeypatch.setattr(disk_writer, "_write_safetensors", slow)
     t = make_tier(tier_dir)
     t.put([1, 2, 3], [kv(3)], "prompt")  # being written...
     assert started.wait(10)
@@ -923,9 +928,9 @@ def test_full_queue_drops_a_put_before_copying_it(tier_dir, monkeypatch):
     """The caller (the generation thread, spilling an eviction) does not pay
     for a copy the full queue then drops."""
     release = threading.Event()
-    real_write, real_views = disk_cache._write_safetensors, disk_cache._host_views
+    real_write, real_views = disk_writer._write_safetensors, disk_cache._host_views
     copies = []
-    monkeypatch.setattr(disk_cache, "_write_safetensors",
+    monkeypatch.setattr(disk_writer, "_write_safetensors",
                         lambda *a: (release.wait(10), real_write(*a)))
     monkeypatch.setattr(disk_cache, "_host_views",
                         lambda arrays: (copies.append(1), real_views(arrays))[1])
@@ -1074,7 +1079,7 @@ def test_find_is_fast_with_long_keys(tier_dir):
     with t._lock:
         for i in range(1000):
             tokens = bases[i % 10] + array("q", range(-i * 100 - 1, -i * 100 - 10_001, -1))
-            t._add(disk_cache.DiskEntry(f"{i:040d}", len(tokens), 1, True, "prompt", 0.0),
+            t._add(disk_index.DiskEntry(f"{i:040d}", len(tokens), 1, True, "prompt", 0.0),
                    tokens)
     key = list(bases[3]) + list(range(-301, -10_301, -1)) + [5]
     start = time.perf_counter()
