@@ -5,6 +5,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,7 @@ def _mixed_batch(model, tok):
     procs = [ConstraintProcessor(compile_response_format(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": s}}), tok)
         for s in schemas]
-    calls = {"row": 0, "batch": 0}
+    calls = {"row": 0, "batch": 0, "threads": set()}
     row_call, batch_call = ConstraintProcessor.__call__, ConstraintProcessor.mask_batch
 
     def counting_row(self, tokens, logits):
@@ -178,6 +179,7 @@ def _mixed_batch(model, tok):
 
     def counting_batch(rows, shape):
         calls["batch"] += 1
+        calls["threads"].add(threading.current_thread().name)
         return batch_call(rows, shape)
 
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"json {i} " * (i + 1)}],
@@ -207,18 +209,45 @@ def _mixed_batch(model, tok):
     return [out[u] for u in uids], calls, steps
 
 
-def test_batched_processors_one_call_per_step(fixture_path, restored):
+@pytest.mark.parametrize("beside_the_pass", [True, False], ids=["worker", "inline"])
+def test_batched_processors_one_call_per_step(fixture_path, restored, beside_the_pass,
+                                              monkeypatch):
     """With the patch, the constrained rows of a step are masked in one call
     (never row by row), and every row's tokens are what upstream's per-row
-    loop gives: constrained, penalised, free and mixed rows alike."""
+    loop gives: constrained, penalised, free and mixed rows alike. Both ways
+    a step makes its masks: on the worker thread while the forward pass
+    runs (the CPU's), and on the stepping thread after queuing it (a GPU's,
+    run here on the CPU)."""
     model, tok = load(str(fixture_path("qwen3")))
     patch = patches.batched_logits_processors
     patch.revert()
     upstream, upstream_calls, _ = _mixed_batch(model, tok)
     assert upstream_calls["batch"] == 0 and upstream_calls["row"] > 0
     assert patch.apply()
+    monkeypatch.setattr(patch, "masks_beside_the_pass", lambda: beside_the_pass)
     ours, calls, steps = _mixed_batch(model, tok)
     assert ours == upstream
     assert calls["row"] == 0
     assert 0 < calls["batch"] <= steps + 1
+    here = threading.current_thread().name
+    assert calls["threads"] == ({"mlx_lm_plus-masks_0"} if beside_the_pass else {here})
     assert json.loads(tok.decode(ours[0][:-1]))["a"] is not None  # constrained: JSON
+
+
+def test_the_mask_worker_works_in_a_forked_child():
+    """A forked child has the cached executor but not its thread: without
+    the at-fork reset a task submitted there waits forever."""
+    import os
+
+    from mlx_lm_plus.patches.batched_logits_processors import _mask_worker
+
+    assert _mask_worker().submit(lambda: 1).result(timeout=30) == 1
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of MLX, and out without atexit
+        try:
+            ok = _mask_worker().submit(lambda: 2).result(timeout=10) == 2
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -44,7 +44,7 @@ class Scheduler:
         self.decoding = decoding
         self.stopping = stopping
         self.group_lost = group_lost
-        self.queue = Queue()  # admission.Queued, as submitted
+        self.queue = Queue()  # handoffs.Queued, as submitted
         self.pending = []  # requests set aside: waiting for a model to load or for room
         self._placed = set()  # ids of the waiting requests that ordering placed
         self.admitting = None  # the channel of the request being placed

@@ -34,6 +34,7 @@ batch 8, and from 0.85x to 0.93x at batch 1 (docs/structured-output.md).
 """
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
@@ -48,6 +49,18 @@ def _mask_worker() -> ThreadPoolExecutor:
     """The thread that makes masks while a CPU step's forward pass runs
     (one: a batch's masks are one call; one generation thread steps)."""
     return ThreadPoolExecutor(1, thread_name_prefix="mlx_lm_plus-masks")
+
+
+# A forked child keeps the cached executor but not its thread, and a task
+# submitted there would wait forever: the child makes its own.
+os.register_at_fork(after_in_child=_mask_worker.cache_clear)
+
+
+def masks_beside_the_pass() -> bool:
+    """Whether a step's masks are made on the worker while its forward
+    pass runs (on the CPU, where `async_eval` waits for the pass; see the
+    module doc), or on this thread after queuing the pass (a GPU)."""
+    return mx.default_device() == mx.cpu
 
 
 def _masks(kinds, history, newest, shape) -> list:
@@ -83,7 +96,7 @@ def process_rows(batch, inputs: mx.array, logits: mx.array) -> Tuple[mx.array, L
         logits = mx.concatenate(rows, axis=0)
     if grouped:
         kinds = sorted(grouped.items(), key=lambda kv: getattr(kv[0], "ORDER", 0))
-        if mx.default_device() == mx.cpu:
+        if masks_beside_the_pass():
             newest = inputs.tolist()  # one evaluation for every row
             making = _mask_worker().submit(_masks, kinds, batch.tokens, newest, logits.shape)
             mx.async_eval(logits)  # (the pass runs meanwhile; see the module doc)
