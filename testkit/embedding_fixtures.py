@@ -22,6 +22,19 @@ be tested without downloads:
   * `bert_cls`: the same weights and tokenizer as `bert_embed` but CLS pooling
     and no Normalize module (as some BAAI/bge folders): the same model giving
     other vectors shows that pooling and normalization come from the folder.
+  * `xlmr_embed`: an encoder embedder like intfloat/multilingual-e5-base
+    (mlx_embeddings.utils.load takes it): model type "xlm-roberta", a
+    SentencePiece-style Unigram tokenizer (<s> $A </s>, <pad> id 1),
+    positions numbered from pad_token_id + 1 (130 of them: a context of 128
+    tokens, which only the position table sets here: the tokenizer's
+    model_max_length is the unset sentinel, max_seq_length 512), mean
+    pooling, Normalize.
+  * `modernbert_embed`: an encoder embedder like nomic-ai/modernbert-embed-base:
+    model type "modernbert" (ModernBertModel's weights, without the "model."
+    prefix, as sentence-transformers saves them), a byte-level BPE tokenizer
+    with [CLS] $A [SEP], mean pooling, Normalize. 3 layers, global attention
+    every 2: layer 1 attends within a sliding window of 16 (8 either side),
+    so an input over 9 tokens tells a wrong window or mask from a right one.
   * `qwen3_rerank`: a decoder reranker like Qwen/Qwen3-Reranker-0.6B: a qwen3
     causal LM whose tokenizer has "yes" and "no" as single tokens; the score
     is softmax over the last position's [no, yes] logits (RERANK_PREFIX and
@@ -33,8 +46,9 @@ position's hidden state depends on every earlier token; the special tokens'
 lm_head rows are zeroed there, but "yes" and "no" are ordinary tokens, so
 their rows stay random, non-zero and different. BERT's matrices are scaled
 x2 for the same reason (MLX's default init is flat), its LayerNorms keep the
-outputs well-scaled. Building is deterministic (fixed seeds, a fixed corpus,
-BERT's vocabulary listed rather than trained) and idempotent (the marker
+outputs well-scaled; XLM-RoBERTa's and ModernBERT's likewise. Building is
+deterministic (fixed seeds, a fixed corpus, BERT's and XLM-RoBERTa's
+vocabularies listed rather than trained) and idempotent (the marker
 fixture.json holds a version).
 """
 
@@ -47,7 +61,8 @@ from testkit.fixtures import (
     SPECIAL_TOKENS, WORDS, _built, _config, _corpus, _make_usable, build_tokenizer,
 )
 
-EMBEDDING_KINDS = ("qwen3_embed", "bert_embed", "bert_cls", "qwen3_rerank")
+EMBEDDING_KINDS = ("qwen3_embed", "bert_embed", "bert_cls", "xlmr_embed", "modernbert_embed",
+                   "qwen3_rerank")
 EMBEDDING_VERSION = 1
 
 # Qwen3-Embedding's prompts (its config_sentence_transformers.json).
@@ -68,6 +83,18 @@ RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that 
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 BERT_MAX_LENGTH = 128
+# XLM-RoBERTa's special tokens, in its ids' order (<mask> comes last, after
+# the pieces); its positions: XLMR_CONTEXT tokens, numbered from pad + 1.
+XLMR_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
+XLMR_CONTEXT = 128
+# What tokenizers saved without a limit write as model_max_length.
+UNSET_MAX_LENGTH = 1000000000000000019884624838656
+# ModernBERT's special tokens (after the BPE vocabulary, as its 50280-50284)
+# and its sliding window: `local_attention` is the whole window, half of it
+# on either side (transformers: |i - j| <= local_attention // 2).
+MODERNBERT_SPECIAL_TOKENS = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+MODERNBERT_WINDOW = 16
+MODERNBERT_MAX_LENGTH = 256
 
 # sentence-transformers' module list: the model, then pooling, then (optionally)
 # L2 normalization, each module's settings in its folder.
@@ -282,6 +309,140 @@ def _build_bert(out: Path, pooling: str, normalize: bool) -> dict:
     return {"hidden_size": 64, **ids}
 
 
+def _scaled(params) -> dict:
+    """A model's parameters as float32, matrices (not embeddings) x2: MLX's
+    default Linear init is flat (see _bert_model)."""
+    from mlx.utils import tree_flatten
+    import mlx.core as mx
+
+    return {name: (w * 2.0 if w.ndim == 2 and "embeddings" not in name else w).astype(mx.float32)
+            for name, w in tree_flatten(params)}
+
+
+def _encoder_files(out: Path, max_seq_length: int) -> None:
+    """sentence-transformers' files of a mean-pooled, normalized encoder."""
+    _sentence_transformers(out, 64, "mean_tokens", normalize=True)
+    _write_json(out / "sentence_bert_config.json",
+                {"max_seq_length": max_seq_length, "do_lower_case": False})
+    _readme(out / "README.md", license="mit", library_name="sentence-transformers",
+            pipeline_tag="sentence-similarity",
+            tags=["sentence-transformers", "feature-extraction", "sentence-similarity"])
+
+
+# -- XLM-RoBERTa: mlx_embeddings' xlm_roberta, a Unigram tokenizer --
+
+def _xlmr_tokenizer(out: Path) -> dict:
+    """A SentencePiece-style Unigram tokenizer (XLM-RoBERTa's kind: Metaspace
+    "▁", <s> $A </s>, pairs <s> $A </s> </s> $B </s>), not lowercasing.
+    Listed, not trained (as BERT's, for the same reason): the corpus' words
+    whole with "▁" before them (lower case and capitalized), and every
+    character alone and, for letters and digits, after "▁"; scores make a
+    known word one piece. Other characters are <unk>."""
+    from tokenizers import (
+        Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+    )
+
+    normalizer = normalizers.Sequence([normalizers.NFKC(),
+                                       normalizers.Replace(Regex(" {2,}"), " ")])
+    chars = sorted((set(normalizer.normalize_str("".join(_corpus()))) - set(" \n"))
+                   | set(string.ascii_letters + string.digits))
+    words = sorted({w for w in WORDS} | {w.capitalize() for w in WORDS})
+    pieces = ([("\u2581" + w, -5.0 - 0.01 * i) for i, w in enumerate(words)]
+              + [("\u2581", -9.0)] + [(c, -10.0) for c in chars]
+              + [("\u2581" + c, -9.5) for c in chars if c.isalnum()])
+    vocab = [(t, 0.0) for t in XLMR_SPECIAL_TOKENS] + pieces + [("<mask>", 0.0)]
+    ids = {t: i for i, (t, _) in enumerate(vocab) if t in XLMR_SPECIAL_TOKENS + ["<mask>"]}
+    tok = Tokenizer(models.Unigram(vocab, unk_id=ids["<unk>"], byte_fallback=False))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.add_special_tokens(XLMR_SPECIAL_TOKENS + ["<mask>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", ids["<s>"]), ("</s>", ids["</s>"])])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "XLMRobertaTokenizer", "model_max_length": UNSET_MAX_LENGTH,
+        "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>"})
+    return {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
+            "pad_token_id": ids["<pad>"], "vocab_size": tok.get_vocab_size()}
+
+
+def _build_xlmr(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import xlm_roberta
+
+    ids = _xlmr_tokenizer(out)
+    pad = ids["pad_token_id"]
+    config = {
+        "model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        "hidden_act": "gelu", "max_position_embeddings": XLMR_CONTEXT + pad + 1,
+        "type_vocab_size": 1, "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-5,
+        "pad_token_id": pad, "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": ids["eos_token_id"], "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02,
+        "position_embedding_type": "absolute", "torch_dtype": "float32"}
+    _write_json(out / "config.json", config)
+    mx.random.seed(5678)
+    model = xlm_roberta.Model(xlm_roberta.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(out / "model.safetensors"), _scaled(model.parameters()))
+    _encoder_files(out, 512)  # (more than the positions allow, as e5's 512 of 514)
+    return {"hidden_size": 64, "context_length": XLMR_CONTEXT, **ids}
+
+
+# -- ModernBERT: mlx_embeddings' modernbert, a byte-level BPE tokenizer --
+
+def _modernbert_tokenizer(out: Path) -> dict:
+    """The fixtures' byte-level BPE (testkit.fixtures.build_tokenizer) with
+    ModernBERT's special tokens added after it and its template: [CLS] $A
+    [SEP], pairs [CLS] $A [SEP] $B [SEP]."""
+    from tokenizers import Tokenizer, processors
+
+    build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens(MODERNBERT_SPECIAL_TOKENS)
+    ids = {t: tok.token_to_id(t) for t in MODERNBERT_SPECIAL_TOKENS}
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": MODERNBERT_MAX_LENGTH,
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "mask_token": "[MASK]", "model_input_names": ["input_ids", "attention_mask"]})
+    return {"cls_token_id": ids["[CLS]"], "sep_token_id": ids["[SEP]"],
+            "pad_token_id": ids["[PAD]"], "vocab_size": tok.get_vocab_size()}
+
+
+def _build_modernbert(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import modernbert
+
+    ids = _modernbert_tokenizer(out)
+    config = {
+        "model_type": "modernbert", "architectures": ["ModernBertModel"], "hidden_size": 64,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 96,
+        "hidden_activation": "gelu", "max_position_embeddings": MODERNBERT_MAX_LENGTH,
+        "vocab_size": ids.pop("vocab_size"), "norm_eps": 1e-5, "norm_bias": False,
+        "global_attn_every_n_layers": 2, "local_attention": MODERNBERT_WINDOW,
+        "global_rope_theta": 160000.0, "local_rope_theta": 10000.0,
+        "attention_bias": False, "attention_dropout": 0.0, "embedding_dropout": 0.0,
+        "mlp_bias": False, "mlp_dropout": 0.0, "classifier_pooling": "mean",
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+        "bos_token_id": ids["cls_token_id"], "eos_token_id": ids["sep_token_id"],
+        **ids}
+    _write_json(out / "config.json", config)
+    mx.random.seed(8765)
+    model = modernbert.ModernBertModel(modernbert.ModelArgs.from_dict(config))
+    # (ModernBertModel's names, as a sentence-transformers folder has them:
+    # mlx-embeddings' Model puts them under "model.")
+    mx.save_safetensors(str(out / "model.safetensors"), _scaled(model.parameters()))
+    _encoder_files(out, MODERNBERT_MAX_LENGTH)
+    return {"hidden_size": 64, "local_attention": MODERNBERT_WINDOW, **ids}
+
+
 def build_embedding_fixture(kind: str, root) -> Path:
     """Build (or reuse) the embedding / reranker fixture `kind` under `root`;
     returns its folder. The marker fixture.json holds the version and the
@@ -299,6 +460,10 @@ def build_embedding_fixture(kind: str, root) -> Path:
         info = _build_qwen3_rerank(out)
     elif kind == "bert_embed":
         info = _build_bert(out, "mean_tokens", normalize=True)
+    elif kind == "xlmr_embed":
+        info = _build_xlmr(out)
+    elif kind == "modernbert_embed":
+        info = _build_modernbert(out)
     else:  # bert_cls: the same weights and tokenizer (same seed), CLS, unnormalized
         info = _build_bert(out, "cls_token", normalize=False)
     marker.write_text(json.dumps({"version": EMBEDDING_VERSION, "kind": kind, **info}))

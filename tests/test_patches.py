@@ -1,13 +1,17 @@
 """Each patch in mlx_lm_plus/patches/ fixes a bug that shows without it, and applies
-only to the mlx-lm it was written for."""
+only to the mlx-lm (or mlx-embeddings) it was written for."""
 
 import json
 import logging
+import math
 import subprocess
 import sys
 import threading
+from argparse import Namespace
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
@@ -52,6 +56,84 @@ def test_batched_equals_single_with_patches(kind, fixture_path):
 def test_batched_differs_without_patches(kind, fixture_path, unpatched):
     model, tok, prompts = _prompts(fixture_path, kind)
     assert batched(model, prompts, 8) != [greedy(model, tok, p, 8) for p in prompts]
+
+
+# -- mlx-embeddings' ModernBERT --
+
+# Inputs of the modernbert_embed fixture in one padded pass: the short ones'
+# padding runs past their last token by more than half the sliding window
+# (16), so a padded position in the local layer sees no real key.
+MODERNBERT_LENGTHS = (5, 14, 43)
+
+
+def _modernbert(fixture_path, dtype):
+    from mlx_lm_plus.models.embedders import load_embedder
+    from mlx_lm_plus.models.provider import _mlx_lm_has
+
+    embedder, _ = load_embedder(str(fixture_path("modernbert_embed")), "embed", _mlx_lm_has)
+    embedder.model.set_dtype(dtype)  # (as a converted model's weights, kept on a GPU)
+    inputs = [(list(range(7, 7 + n)), 0) for n in MODERNBERT_LENGTHS]
+    return Namespace(embedder=embedder), inputs
+
+
+def _passes(lm, inputs):
+    """The vectors of one padded pass over `inputs`, and of each alone, as
+    the embedding runner computes them."""
+    from mlx_lm_plus.engine.embedding import EmbeddingRunner
+
+    run = EmbeddingRunner(lambda what: None, budget=lambda: 4096)._run
+    return run(lm, inputs), np.concatenate([run(lm, [one]) for one in inputs])
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bfloat16", "float16"])
+def test_modernbert_half_precision_batches_with_patches(dtype, fixture_path):
+    patches.apply_all()
+    lm, inputs = _modernbert(fixture_path, dtype)
+    batched, alone = _passes(lm, inputs)
+    assert np.isfinite(batched).all()
+    np.testing.assert_allclose(batched, alone, atol=1e-3)
+    lm32, _ = _modernbert(fixture_path, mx.float32)  # (and near float32's vectors)
+    np.testing.assert_allclose(batched, _passes(lm32, inputs)[1], atol=0.05)
+
+
+def test_modernbert_half_precision_batches_fail_without_patches(fixture_path, unpatched):
+    for dtype in (mx.bfloat16, mx.float16):
+        lm, inputs = _modernbert(fixture_path, dtype)
+        with pytest.raises(ValueError, match="Mask type must promote"):
+            _passes(lm, inputs)
+    # A mask in the model's dtype runs, but float16's -1e9 is -inf: the short
+    # rows' real positions come out NaN.
+    dtype = mx.float16
+    lm, inputs = _modernbert(fixture_path, dtype)
+    longest = max(MODERNBERT_LENGTHS)
+    tokens = mx.array([ids + [0] * (longest - len(ids)) for ids, _ in inputs])
+    mask = (mx.arange(longest)[None] < mx.array(MODERNBERT_LENGTHS)[:, None]).astype(dtype)
+    hidden = np.array(lm.embedder.model.model(tokens, attention_mask=mask)[
+        "last_hidden_state"].astype(mx.float32))
+    assert np.isnan(hidden[0, :MODERNBERT_LENGTHS[0]]).any()
+    assert np.isfinite(hidden[2]).all()  # (the longest row has no padding)
+
+
+def _glu_exact(mlp, x):
+    """ModernBERT's MLP as transformers runs it: Wo(gelu(input) * gate), exact GELU."""
+    x = np.array(x, dtype=np.float64)
+    a, gate = np.split(x @ np.array(mlp.Wi.weight, dtype=np.float64).T, 2, axis=-1)
+    gelu = 0.5 * a * (1 + np.vectorize(math.erf)(a / math.sqrt(2)))
+    return (gelu * gate) @ np.array(mlp.Wo.weight, dtype=np.float64).T
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_modernbert_mlp_runs_the_exact_gelu(patched, fixture_path, restored):
+    from mlx_embeddings.utils import load as load_encoder
+
+    patches.apply_all()
+    if not patched:
+        patches.modernbert_gelu.revert()
+    model, _ = load_encoder(str(fixture_path("modernbert_embed")))
+    mlp = model.model.layers[1].mlp
+    x = mx.random.normal((1, 9, 64), key=mx.random.key(0)) * 2
+    error = np.abs(np.array(mlp(x)) - _glu_exact(mlp, x)).max()
+    assert (error < 1e-5) if patched else (error > 1e-4), error
 
 
 # -- the version guard --
@@ -102,7 +184,8 @@ def test_other_upstream_source_is_left_alone(patch, owner, attr, restored, monke
     message = first.getMessage()
     assert second.getMessage() == message
     assert patch.PATCH.name in message and f"{owner.__qualname__}.{attr}" in message
-    assert "mlx-lm 0.32.2" in message and "installed mlx-lm" in message
+    package = patch.PATCH.package  # (mlx-lm 0.32.2's, or mlx-embeddings 0.1.0's)
+    assert f"{package} {patch.PATCH.written_for}" in message and f"installed {package}" in message
 
 
 def test_recorded_hash_mismatch_is_not_applied(restored, monkeypatch, caplog):

@@ -14,11 +14,13 @@ A folder says what it is; nothing here guesses from a model's name:
 A --models-config entry's `task` overrides what the folder says.
 
 Decoders load through mlx-lm when it knows their model type (Qwen3, Llama,
-Gemma...), encoders through mlx-embeddings (BERT, XLM-RoBERTa). A batch is
-right-padded. A decoder needs no mask for that: causal attention never looks
-at a later position, so what follows an input can't change its hidden
-states. An encoder gets an attention mask, which mlx-embeddings turns into
--10000 on the padded keys (exp of that is 0 in float32).
+Gemma...), encoders through mlx-embeddings (BERT, XLM-RoBERTa, ModernBERT).
+A batch is right-padded. A decoder needs no mask for that: causal attention
+never looks at a later position, so what follows an input can't change its
+hidden states. An encoder gets an attention mask, which mlx-embeddings turns
+into -10000 on the padded keys (exp of that is 0 in float32); ModernBERT's
+into boolean masks, with its sliding window in its local layers
+(patches/modernbert_padding.py: upstream's fail in bfloat16 and float16).
 """
 
 import json
@@ -31,10 +33,14 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 
 TASKS = ("generate", "embed", "rerank")
-# mlx-embeddings' encoder families whose model returns every position's
-# hidden state (`last_hidden_state`), which pooling needs; its ModernBERT
-# pools inside the model, by its own config, and is not taken.
-ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta")
+# mlx-embeddings' encoder families served: every position's last hidden
+# state (which pooling needs) is its Model's `last_hidden_state`, or for
+# ModernBERT, whose Model pools inside by its config, its trunk's
+# (`model.model`).
+ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta", "modernbert")
+# ModernBERT's layers: global attention every N, the others local (in a
+# sliding window); transformers 5 writes them out as `layer_types`.
+MODERNBERT_LAYER_TYPES = ("full_attention", "sliding_attention")
 # sentence-transformers' pooling modes (1_Pooling/config.json) served here.
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken",
@@ -195,6 +201,7 @@ class Embedder:
     # The most characters one token stands for (WordPiece's [UNK] a whole
     # word, up to 100): a text over (context + 1) times this can't fit.
     longest_token: int = 100
+    model_type: str = ""  # the config's
 
     def hidden(self, tokens: mx.array, lengths: mx.array, cache=None) -> mx.array:
         """[B, L] token ids -> [B, L, H] last hidden states. `cache`: a
@@ -202,6 +209,8 @@ class Embedder:
         if self.decoder:
             return self.model.model(tokens, cache=cache)
         mask = (mx.arange(tokens.shape[1])[None] < lengths[:, None]).astype(mx.float32)
+        if self.model_type == "modernbert":  # (its Model's output is pooled)
+            return self.model.model(tokens, attention_mask=mask)["last_hidden_state"]
         return self.model(tokens, attention_mask=mask).last_hidden_state
 
     def score(self, last_hidden: mx.array) -> mx.array:
@@ -232,6 +241,43 @@ def _context_length(config: dict, tokenizer, decoder: bool, folder: Path) -> int
         if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < 10**7:
             n = min(n, limit)
     return int(n)
+
+
+def _modernbert_config(config: dict, path) -> dict:
+    """What mlx-embeddings' ModernBERT must be told of `config`, which it
+    reads in the older keys only (global_attn_every_n_layers,
+    global_rope_theta, local_rope_theta; it defaults the missing ones):
+    transformers 5 writes `layer_types` and `rope_parameters` instead. The
+    keys to pass it (load's model_config); EmbedderError for what its model
+    can't run: an activation other than GELU (patches/modernbert_gelu.py),
+    scaled RoPE, local layers not every N."""
+    path = f"{path}: ModernBERT"
+    if config.get("hidden_activation", "gelu") != "gelu":
+        raise EmbedderError(f"{path} with hidden_activation "
+                            f"{config['hidden_activation']!r} is not served (GELU is)")
+    given = {}
+    layers = config.get("layer_types")
+    if layers is not None:
+        count = int(config.get("num_hidden_layers", len(layers)))
+        periods = [n for n in range(1, count + 1) if list(layers) == [
+            MODERNBERT_LAYER_TYPES[bool(i % n)] for i in range(count)]]
+        if not periods:
+            raise EmbedderError(f"{path}'s layer_types {layers} are not global attention "
+                                "every N layers, which mlx-embeddings' model runs")
+        given["global_attn_every_n_layers"] = periods[0]
+    if config.get("rope_scaling"):
+        raise EmbedderError(f"{path} with rope_scaling is not served")
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict):
+        for layer_type, key in zip(MODERNBERT_LAYER_TYPES, ("global_rope_theta",
+                                                            "local_rope_theta")):
+            params = rope.get(layer_type) or {}
+            if params.get("rope_type", "default") != "default":
+                raise EmbedderError(f"{path} with {layer_type} RoPE of type "
+                                    f"{params['rope_type']!r} is not served")
+            if "rope_theta" in params:
+                given[key] = float(params["rope_theta"])
+    return given
 
 
 def _single_token(tokenizer, text: str, folder) -> int:
@@ -287,14 +333,18 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
     else:
         from mlx_embeddings.utils import load
 
-        model, wrapper = load(str(folder))
+        given = {}
+        if config.get("model_type") == "modernbert":
+            given = _modernbert_config(config, path)
+        model, wrapper = load(str(folder), model_config=given)
     tokenizer = _hf_tokenizer(wrapper)
     width = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
     embedder = Embedder(task=task, model=model, tokenizer=tokenizer, decoder=decoder,
                         context_length=_context_length(config, tokenizer, decoder, folder),
                         width=int(width or 0), pooling=pooling, prompts=prompts,
                         default_prompt=default_prompt,
-                        longest_token=max([100] + [len(t) for t in tokenizer.get_vocab()]))
+                        longest_token=max([100] + [len(t) for t in tokenizer.get_vocab()]),
+                        model_type=str(config.get("model_type", "")))
     if task == "rerank":
         embedder.yes_no = (_single_token(tokenizer, "yes", path),
                            _single_token(tokenizer, "no", path))

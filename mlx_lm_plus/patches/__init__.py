@@ -1,10 +1,11 @@
-"""Fixes to upstream mlx-lm 0.32.2 behaviour, one module per bug.
+"""Fixes to upstream mlx-lm 0.32.2 behaviour (and mlx-embeddings 0.1.0's:
+the modernbert_ ones), one module per bug.
 
 Each module replaces one upstream function through a `_guard.Patch`, which
-checks that the function in place is 0.32.2's (a hash of its source) and
-otherwise logs a warning and leaves it alone. Each has `apply()` (idempotent;
-True if the patch is in place) and `revert()`, and a test in
-tests/test_patches.py that fails without it.
+checks that the function in place is the version's it was written for (a
+hash of its source) and otherwise logs a warning and leaves it alone. Each
+has `apply()` (idempotent; True if the patch is in place) and `revert()`,
+and a test in tests/test_patches.py that fails without it.
 
 Nothing is patched on import: `Engine.start()` calls `apply_all()`, and so
 must any other code that runs these models without an engine.
@@ -14,6 +15,8 @@ from . import (
     batched_logits_processors,
     jamba_padding,
     mamba_padding,
+    modernbert_gelu,
+    modernbert_padding,
     nemotron_h_ssm_lengths,
     olmo_hybrid_conv_padding,
 )
@@ -24,6 +27,8 @@ PATCHES = [
     jamba_padding,
     olmo_hybrid_conv_padding,
     batched_logits_processors,
+    modernbert_padding,
+    modernbert_gelu,
 ]
 
 

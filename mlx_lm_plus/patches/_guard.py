@@ -1,19 +1,32 @@
 """The version guard every patch goes through.
 
 A patch replaces one upstream function with a fixed copy of mlx-lm 0.32.2's
-body. It records the sha256 of that function's source (`inspect.getsource`)
-as 0.32.2 ships it, and applies itself only while the function in place still
-has that source: on any other mlx-lm the upstream code may have changed (or
-been fixed), and our copy would silently undo that. Then it logs a warning
-and leaves upstream's function alone.
+body (or of another package's, at the version it names: mlx-embeddings
+0.1.0's). It records the sha256 of that function's source
+(`inspect.getsource`) as that version ships it, and applies itself only while
+the function in place still has that source: on any other version the
+upstream code may have changed (or been fixed), and our copy would silently
+undo that. Then it logs a warning and leaves upstream's function alone.
 """
 
 import hashlib
 import inspect
 import logging
+from importlib.metadata import PackageNotFoundError, version
+
 from mlx_lm_plus.upstream import WRITTEN_FOR, mlx_lm_version
 
 log = logging.getLogger("mlx_lm_plus.patches")
+
+
+def package_version(package: str) -> str:
+    """The installed version of `package` ("unknown" if it isn't)."""
+    if package == "mlx-lm":
+        return mlx_lm_version()
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def source_sha256(fn) -> str:
@@ -23,8 +36,10 @@ def source_sha256(fn) -> str:
 class Patch:
     """Replace `owner.attr` with `replacement`, if it is the function of `sha256`."""
 
-    def __init__(self, name: str, owner, attr: str, sha256: str, replacement):
+    def __init__(self, name: str, owner, attr: str, sha256: str, replacement,
+                 package: str = "mlx-lm", written_for: str = WRITTEN_FOR):
         self.name = name.rpartition(".")[2]  # the patch module's name
+        self.package, self.written_for = package, written_for  # whose function, which version
         self.owner, self.attr = owner, attr
         self.sha256 = sha256
         self.replacement = replacement
@@ -51,7 +66,8 @@ class Patch:
         if found != self.sha256:
             log.warning(
                 f"patch {self.name} not applied: {self.target} is not the function it was "
-                f"written for (mlx-lm {WRITTEN_FOR}; installed mlx-lm {mlx_lm_version()}, "
+                f"written for ({self.package} {self.written_for}; installed {self.package} "
+                f"{package_version(self.package)}, "
                 "source hash differs). Upstream's code stays in place."
             )
             return False

@@ -1,8 +1,9 @@
 """/v1/embeddings and /v1/rerank end to end: a server with a chat model and
-tiny random embedders and a reranker (testkit/embedding_fixtures.py) beside
-it, against references computed here from the same weights without the
-server: each input alone, unpadded, through a direct model call, pooled and
-scored by numpy code written here from the model cards' definitions."""
+tiny random embedders (a decoder, and BERT, XLM-RoBERTa and ModernBERT
+encoders) and a reranker (testkit/embedding_fixtures.py) beside it, against
+references computed here from the same weights without the server: each
+input alone, unpadded, through a direct model call, pooled and scored by
+numpy code written here from the model cards' definitions."""
 
 import base64
 import json
@@ -15,12 +16,17 @@ import numpy as np
 import pytest
 
 from compat.launch import OURS, ServerProcess
+from mlx_lm_plus import patches
 
 CHAT_KIND = "qwen3"
-EMBEDDERS = {"qembed": "qwen3_embed", "bembed": "bert_embed", "bcls": "bert_cls"}
+EMBEDDERS = {"qembed": "qwen3_embed", "bembed": "bert_embed", "bcls": "bert_cls",
+             "xembed": "xlmr_embed", "mbembed": "modernbert_embed"}
 # What each fixture's folder says (1_Pooling/config.json, modules.json):
 # the pooling and whether a Normalize module follows.
-POOLING = {"qembed": ("last", True), "bembed": ("mean", True), "bcls": ("cls", False)}
+POOLING = {"qembed": ("last", True), "bembed": ("mean", True), "bcls": ("cls", False),
+           "xembed": ("mean", True), "mbembed": ("mean", True)}
+# The modernbert_embed fixture's sliding window (local_attention): 8 either side.
+MODERNBERT_WINDOW = 16
 TEXTS = [
     "hello",
     "the cat sat on the mat and looked at the window for a while",
@@ -73,11 +79,15 @@ def server(paths, tmp_path_factory):
 
 class Reference:
     """Each input alone through the model, as the model card defines the
-    output (no server code)."""
+    output (no server code but patches/, as the engine applies them:
+    mlx-embeddings' ModernBERT runs the exact GELU then, which
+    tests/test_embedding_fixtures.py checks against transformers'
+    definition in numpy)."""
 
     def __init__(self, paths):
         self.paths = paths
         self.models = {}
+        patches.apply_all()
 
     def _load(self, name):
         if name not in self.models:
@@ -100,6 +110,9 @@ class Reference:
         tokens = mx.array([ids])
         if name == "qembed":
             hidden = model.model(tokens)  # the trunk's last hidden states
+        elif name == "mbembed":  # (its Model's output is pooled: the trunk's)
+            hidden = model.model(tokens, attention_mask=mx.ones(tokens.shape))[
+                "last_hidden_state"]
         else:
             hidden = model(tokens).last_hidden_state  # no mask: nothing padded
         hidden = np.array(hidden.astype(mx.float32))[0].astype(np.float64)
@@ -155,6 +168,28 @@ def test_vectors_equal_each_input_alone_through_the_model(server, reference, nam
     # The vectors differ from one another (a flat model would pass the above).
     assert min(np.abs(a - b).max() for i, a in enumerate(expected)
                for b in expected[i + 1:]) > 1e-3
+    if name == "mbembed":  # (inputs within the sliding window, and past it)
+        lengths = [len(reference.ids(name, t)) for t in TEXTS]
+        assert min(lengths) <= MODERNBERT_WINDOW // 2 < 2 * MODERNBERT_WINDOW < max(lengths)
+
+
+@pytest.mark.parametrize("name, context", [("xembed", 128), ("mbembed", 256)])
+def test_inputs_as_long_as_the_context(server, reference, name, context):
+    """An input of the model's whole context (XLM-RoBERTa's: its 130
+    positions less pad_token_id + 1; ModernBERT's: many sliding windows)
+    in one pass with short ones is the reference's vector; one token more
+    is a 400."""
+    longest = " ".join(["river"] * (context - 2))  # (a token a word, and two special tokens)
+    assert len(reference.ids(name, longest)) == context
+    inputs = ["a", longest, TEXTS[1]]
+    status, answer = post(server, "/v1/embeddings", {"model": name, "input": inputs})
+    assert status == 200, answer
+    for got, text in zip(vectors(answer), inputs):
+        np.testing.assert_allclose(got, reference.embed(name, text), atol=1e-5)
+    status, answer = post(server, "/v1/embeddings",
+                          {"model": name, "input": ["a", longest + " river"]})
+    assert status == 400 and f"index 1 has {context + 1} tokens" in json.dumps(answer), answer
+    assert f"context of {context} tokens" in json.dumps(answer)
 
 
 def test_concurrent_requests_share_forward_passes(server, reference):
@@ -295,8 +330,8 @@ def test_bad_bodies_leave_the_server_serving(server, reference):
 def test_models_list_says_what_each_model_serves(server):
     with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as r:
         listed = {m["id"]: m["task"] for m in json.loads(r.read())["data"]}
-    assert listed == {"qembed": "embed", "bembed": "embed", "bcls": "embed",
-                      "rerank": "rerank", "chat": "generate"}
+    assert listed == {"qembed": "embed", "bembed": "embed", "bcls": "embed", "xembed": "embed",
+                      "mbembed": "embed", "rerank": "rerank", "chat": "generate"}
 
 
 def test_requests_for_models_that_evict_one_another_are_all_answered(paths, reference,

@@ -18,6 +18,8 @@ from mlx_lm_plus.models.served import read_models_config
 def test_the_folder_says_what_it_serves(fixture_path):
     assert folder_task(fixture_path("qwen3_embed")) == "embed"
     assert folder_task(fixture_path("bert_embed")) == "embed"
+    assert folder_task(fixture_path("xlmr_embed")) == "embed"
+    assert folder_task(fixture_path("modernbert_embed")) == "embed"
     assert folder_task(fixture_path("qwen3_rerank")) == "rerank"
     assert folder_task(fixture_path("qwen3")) == "generate"
     assert folder_task("no/such-repo") == "generate"
@@ -29,6 +31,8 @@ def test_pooling_follows_the_config(fixture_path):
     assert prompts["query"].startswith("Instruct:") and default is None
     assert read_pooling(fixture_path("bert_embed"))[0] == Pooling("mean", True)
     assert read_pooling(fixture_path("bert_cls"))[0] == Pooling("cls", False)
+    assert read_pooling(fixture_path("xlmr_embed"))[0] == Pooling("mean", True)
+    assert read_pooling(fixture_path("modernbert_embed"))[0] == Pooling("mean", True)
 
 
 @pytest.mark.parametrize("mode", ["cls", "mean", "max", "lasttoken", "mean_sqrt_len"])
@@ -96,3 +100,76 @@ def test_rerankers_and_decoders_it_would_run_wrongly_are_refused(fixture_path, t
     (own_code / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     with pytest.raises(EmbedderError, match="bidirectional"):
         load_embedder(str(own_code), "embed", _mlx_lm_has)
+
+
+def test_encoder_families_load_with_their_context(fixture_path):
+    """XLM-RoBERTa's context is its positions less pad_token_id + 1 (its
+    tokenizer sets none); ModernBERT's its max_position_embeddings. Both
+    give every position's hidden state, ModernBERT's from its trunk (its
+    Model pools by its own config), and refuse to rerank."""
+    xlmr, _ = load_embedder(str(fixture_path("xlmr_embed")), "embed", _mlx_lm_has)
+    assert (xlmr.context_length, xlmr.width, xlmr.decoder) == (128, 64, False)
+    modernbert, config = load_embedder(str(fixture_path("modernbert_embed")), "embed",
+                                       _mlx_lm_has)
+    assert (modernbert.context_length, modernbert.width) == (256, 64)
+    assert modernbert.model_type == config["model_type"] == "modernbert"
+    tokens = mx.array([[5, 6, 7, 8, 0, 0], [5, 6, 7, 8, 9, 10]])
+    for embedder in (xlmr, modernbert):
+        assert embedder.hidden(tokens, mx.array([4, 6])).shape == (2, 6, 64)
+    for kind in ("xlmr_embed", "modernbert_embed"):
+        with pytest.raises(EmbedderError, match="cross-encoder"):
+            load_embedder(str(fixture_path(kind)), "rerank", _mlx_lm_has)
+
+
+def _modernbert_copy(fixture_path, tmp_path, **changes):
+    """The modernbert_embed folder with its config changed (None: a key removed)."""
+    folder = tmp_path / "modernbert"
+    shutil.copytree(fixture_path("modernbert_embed"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _vector(embedder, ids):
+    hidden = embedder.hidden(mx.array([ids]), mx.array([len(ids)]))
+    return np.array(embedder.pooling(hidden, mx.array([len(ids)]), mx.array([0])))[0]
+
+
+def test_modernbert_configs_in_transformers_5s_keys(fixture_path, tmp_path):
+    """transformers 5 writes ModernBERT's layers and RoPE as `layer_types`
+    and `rope_parameters`, which mlx-embeddings doesn't read (it would take
+    its defaults: global attention every 3 layers, thetas 160000 and
+    10000): they are passed to it, the same model gives the same vectors.
+    What its model can't run is refused at load."""
+    ids = list(range(5, 45))  # (longer than the window: 16)
+    original, _ = load_embedder(str(fixture_path("modernbert_embed")), "embed", _mlx_lm_has)
+    want = _vector(original, ids)
+    new_keys = _modernbert_copy(
+        fixture_path, tmp_path, global_attn_every_n_layers=None, global_rope_theta=None,
+        local_rope_theta=None,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    embedder, _ = load_embedder(str(new_keys), "embed", _mlx_lm_has)
+    np.testing.assert_allclose(_vector(embedder, ids), want, atol=1e-6)
+    assert [layer.attn.local_attention for layer in embedder.model.model.layers] == [
+        (-1, -1), (8, 8), (-1, -1)]
+    # (mlx-embeddings' defaults would be other vectors)
+    shutil.rmtree(new_keys)
+    defaults = _modernbert_copy(fixture_path, tmp_path, global_attn_every_n_layers=None)
+    assert np.abs(_vector(load_embedder(str(defaults), "embed", _mlx_lm_has)[0], ids)
+                  - want).max() > 1e-3
+    for changes, says in [
+        ({"layer_types": ["full_attention", "sliding_attention", "sliding_attention"][::-1]},
+         "every N"),
+        ({"hidden_activation": "silu"}, "hidden_activation"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+         "linear")]:
+        shutil.rmtree(tmp_path / "modernbert")
+        with pytest.raises(EmbedderError, match=says):
+            load_embedder(str(_modernbert_copy(fixture_path, tmp_path, **changes)), "embed",
+                          _mlx_lm_has)
+
