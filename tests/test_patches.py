@@ -114,6 +114,25 @@ def test_modernbert_half_precision_batches_fail_without_patches(fixture_path, un
     assert np.isfinite(hidden[2]).all()  # (the longest row has no padding)
 
 
+def test_modernbert_masks_leave_no_position_without_a_key(fixture_path):
+    """The patched masks: a real position's keys are transformers' (the real
+    keys; in a local layer those within half the window), and every padded
+    position keeps one key, its own. (MLX's CPU attention gives a row with
+    no key finite values anyway; a GPU kernel need not.)"""
+    patches.apply_all()
+    lm, _ = _modernbert(fixture_path, mx.float32)
+    lengths = np.array(MODERNBERT_LENGTHS)
+    longest = lengths.max()
+    mask = (np.arange(longest)[None] < lengths[:, None]).astype(np.float32)
+    full, sliding = lm.embedder.model.model._update_attention_mask(mx.array(mask))
+    full, sliding = np.array(full)[:, 0], np.array(sliding)[:, 0]  # [B, query, key]
+    near = np.abs(np.arange(longest)[:, None] - np.arange(longest)[None]) <= 8
+    for row, n in enumerate(lengths):
+        keys = np.broadcast_to(np.arange(longest)[None] < n, (n, longest))
+        assert (full[row, :n] == keys).all() and (sliding[row, :n] == (keys & near[:n])).all()
+    assert sliding.any(axis=-1).all() and full.any(axis=-1).all()
+
+
 def _glu_exact(mlp, x):
     """ModernBERT's MLP as transformers runs it: Wo(gelu(input) * gate), exact GELU."""
     x = np.array(x, dtype=np.float64)

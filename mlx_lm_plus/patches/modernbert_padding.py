@@ -15,8 +15,9 @@ window) in the dtype of the attention mask it is given:
 This version makes boolean masks (True: attend), which the attention takes
 at any dtype, with every position allowed to attend to itself: a real
 position's keys are what upstream's are (its own position is a real key in
-its window), and a padded one always has a key. In float32 a real position's
-hidden states are upstream's.
+its window), and a padded one always has a key (MLX's CPU attention gives a
+boolean row with no key finite values, but a GPU kernel need not). In
+float32 a real position's hidden states are upstream's.
 """
 
 import mlx.core as mx
