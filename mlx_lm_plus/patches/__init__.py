@@ -11,12 +11,12 @@ Nothing is patched on import: `Engine.start()` calls `apply_all()`, and so
 must any other code that runs these models without an engine.
 """
 
+import logging
+
 from . import (
     batched_logits_processors,
     jamba_padding,
     mamba_padding,
-    modernbert_gelu,
-    modernbert_padding,
     nemotron_h_ssm_lengths,
     olmo_hybrid_conv_padding,
 )
@@ -27,13 +27,19 @@ PATCHES = [
     jamba_padding,
     olmo_hybrid_conv_padding,
     batched_logits_processors,
-    modernbert_padding,
-    modernbert_gelu,
 ]
+
+try:  # (an mlx-embeddings that doesn't import serves no encoder: nothing to fix)
+    from . import modernbert_gelu, modernbert_padding
+
+    PATCHES += [modernbert_padding, modernbert_gelu]
+except ImportError as e:
+    logging.getLogger("mlx_lm_plus.patches").warning(
+        f"mlx-embeddings' ModernBERT patches not applied: {e}")
 
 
 def apply_all():
-    """Apply every patch that matches the installed mlx-lm; idempotent.
+    """Apply every patch that matches the installed mlx-lm (mlx-embeddings); idempotent.
 
     Returns {patch module name: applied}.
     """
