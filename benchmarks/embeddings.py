@@ -303,10 +303,12 @@ class BareLoop:
         import mlx.nn as nn
         from mlx.utils import tree_flatten
 
+        from mlx_lm_plus import patches
         from mlx_lm_plus.models.embedders import load_embedder
         from mlx_lm_plus.models.provider import _mlx_lm_has
 
         self.mx = mx
+        patches.apply_all()  # (as the engine does at start: ModernBERT's GELU and masks)
         self.embedder, _ = load_embedder(model, task, _mlx_lm_has)
         quantized = [m for _, m in self.embedder.model.named_modules()
                      if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
@@ -480,7 +482,7 @@ def main(argv=None) -> Dict[str, Any]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", default="bert_embed",
                    help="embedding fixture kind (testkit/embedding_fixtures.py: bert_embed, "
-                        "qwen3_embed, bert_cls) when no --model")
+                        "qwen3_embed, bert_cls, xlmr_embed, modernbert_embed) when no --model")
     p.add_argument("--model", help="a model folder instead of a fixture")
     p.add_argument("--task", choices=("embed",),
                    help='the models-config entry\'s "task" (embed: serve a chat model as a '
