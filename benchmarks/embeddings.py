@@ -305,7 +305,7 @@ class BareLoop:
 
         from mlx_lm_plus import patches
         from mlx_lm_plus.models.embedders import load_embedder
-        from mlx_lm_plus.models.provider import _mlx_lm_has
+        from mlx_lm_plus.models.folders import _mlx_lm_has
 
         self.mx = mx
         patches.apply_all()  # (as the engine does at start: ModernBERT's GELU and masks)
@@ -369,7 +369,7 @@ def check_upstream(model: str, work: Path, texts: List[str]) -> Dict[str, Any]:
     thread dies and /health answers 503; the 404 comes before any model is
     looked at anyway)."""
     from mlx_lm_plus.models.demo import demo_model_path
-    from mlx_lm_plus.models.provider import _mlx_lm_has
+    from mlx_lm_plus.models.folders import _mlx_lm_has
 
     out: Dict[str, Any] = {"model": model, "loads": bool(_mlx_lm_has(model))}
     if not out["loads"]:

@@ -68,7 +68,7 @@ MODERNBERT_LENGTHS = (5, 14, 43)
 
 def _modernbert(fixture_path, dtype):
     from mlx_lm_plus.models.embedders import load_embedder
-    from mlx_lm_plus.models.provider import _mlx_lm_has
+    from mlx_lm_plus.models.folders import _mlx_lm_has
 
     embedder, _ = load_embedder(str(fixture_path("modernbert_embed")), "embed", _mlx_lm_has)
     embedder.model.set_dtype(dtype)  # (as a converted model's weights, kept on a GPU)

@@ -18,7 +18,8 @@ import mlx.core as mx
 from mlx_lm_plus.engine.handoffs import Queued
 from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.errors import EngineUnavailable, InternalError, ModelLoadError, is_out_of_memory
-from mlx_lm_plus.models.provider import group_max, loadable_fingerprint
+from mlx_lm_plus.models.provider import group_max
+from mlx_lm_plus.models.folders import loadable_fingerprint
 
 # The places of the loop where rank 0 hands something to the other ranks
 # (checked alike on every rank, as the count of hand-offs is).

@@ -17,10 +17,8 @@ plus mlx-vlm for vision-language folders. What this module adds:
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,23 +30,11 @@ from mlx_lm.server import ModelProvider as UpstreamModelProvider
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
 from mlx_lm_plus.models.embedders import folder_task, load_embedder, local_folder
 from mlx_lm_plus.models.served import ServedModel, resolved_path, served_set
-from mlx_lm_plus.models.vision import (
-    VisionSupport, configured_max_pixels, is_vision_model, load_vision_model, splits_across_ranks,
+from mlx_lm_plus.models.folders import (
+    _mlx_lm_has, context_length, served_image_path, weights_bytes_on_disk,
 )
-from mlx_lm_plus.models.vlm_generation import (
-    MlxVlmGeneration, is_mlx_vlm_model, load_mlx_vlm_model,
-)
-
-def weights_bytes_on_disk(path) -> int:
-    """The size of a model's weight files (what loading it will take, about):
-    a local folder, or a Hugging Face repo already in the local cache; 0
-    when neither (a download: known once loaded)."""
-    folder = local_folder(path)
-    try:
-        return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder else 0
-    except OSError:
-        return 0
-
+from mlx_lm_plus.models.vision import VisionSupport, configured_max_pixels, load_vision_model
+from mlx_lm_plus.models.vlm_generation import MlxVlmGeneration, load_mlx_vlm_model
 
 def memory_budget() -> int:
     """Bytes the loaded models' weights, with the prompt cache's budget, may
@@ -84,62 +70,6 @@ def _arrays(obj, seen):
             yield from _arrays(v, seen)
 
 
-def image_path(model_path, sequential: bool = False) -> Optional[str]:
-    """How a folder's image requests are served: "batched" (vision.py's
-    families), "sequential" (through mlx-vlm's own generation: a family
-    mlx-lm can't load at all, or one the config asks that of), or None
-    (text only: no vision config, or mlx-lm's text model of the family)."""
-    if sequential and is_mlx_vlm_model(model_path):
-        return "sequential"
-    if is_vision_model(model_path):
-        return "batched"
-    if is_mlx_vlm_model(model_path) and not _mlx_lm_has(model_path):
-        return "sequential"
-    return None
-
-
-def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]:
-    """`image_path` of a (path, adapter, draft) key: None (text) with an
-    adapter or a draft model; under mx.distributed "batched" for a family
-    whose language model splits across the ranks, None for the others."""
-    if key is None or key[1] is not None or key[2] is not None:
-        return None
-    if distributed:
-        return "batched" if splits_across_ranks(key[0]) else None
-    return image_path(key[0], sequential)
-
-
-def loadable_fingerprint(model_path, pipeline: bool = False) -> int:
-    """What the ranks of mx.distributed agree on before any loads a model:
-    raises where this host can't (no config.json, no weights in a local
-    folder, a family mlx-lm lacks or can't split the way asked: sharded
-    tensor-parallel, or pipelined, which also needs the weights' index),
-    else the CRC of its config.json (the same model on every host). Its
-    small files are fetched first where it is a Hugging Face repo, as
-    mlx-lm's sharded_load does."""
-    from mlx_lm_plus.upstream import download, get_classes
-
-    folder = Path(download(str(model_path), allow_patterns=["*.json", "*.jinja", "*.txt"]))
-    raw = (folder / "config.json").read_bytes()
-    config = json.loads(raw)
-    if Path(model_path).is_dir() and not any(folder.glob("model*.safetensors")):
-        raise FileNotFoundError(f"no weights (model*.safetensors) in {folder}")
-    if pipeline and not (folder / "model.safetensors.index.json").exists():
-        raise FileNotFoundError(f"no model.safetensors.index.json in {folder} (mlx-lm's "
-                                "pipelined load reads it)")
-    if not config.get("model_file"):  # (remote code: only its own load can tell)
-        model_class, args_class = get_classes(config)
-        # Built, not loaded (its arrays are never evaluated): what mlx-lm's
-        # sharded_load asks of it.
-        model = model_class(args_class.from_dict(config))
-        if pipeline and not hasattr(getattr(model, "model", None), "pipeline"):
-            raise ValueError(f"{config.get('model_type')} models can't be pipelined")
-        if not pipeline and not hasattr(model, "shard"):
-            raise ValueError(f"{config.get('model_type')} models can't be split "
-                             "tensor-parallel (--pipeline may)")
-    return zlib.crc32(raw)
-
-
 def group_max(values: List[int]) -> List[int]:
     """Each value's largest over the ranks of the mx.distributed group: how
     the ranks agree on a decision each could make apart, from its own share
@@ -153,37 +83,6 @@ def _sharding(model) -> str:
     if getattr(inner, "pipeline_size", 1) > 1:
         return f"pipelined, layers {inner.start_idx}-{inner.end_idx - 1} here"
     return "tensor-parallel"
-
-
-def _mlx_lm_has(model_path) -> bool:
-    """Whether mlx-lm has a model for the folder's family."""
-    import importlib.util
-
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    try:
-        model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
-        name = MODEL_REMAPPING.get(model_type, model_type)
-        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
-    except Exception:  # (unreadable: mlx-lm's load says why)
-        return True
-
-
-def context_length(config: Optional[dict]) -> Optional[int]:
-    """How many tokens a model takes, as its config.json says: the largest
-    position (max_position_embeddings, or its text model's), times its rope
-    scaling factor when it has one (a bound, not exact: Llama 3.1's already
-    counts its factor). None: the config does not say (mlx-lm's model
-    arguments are not read: their defaults stand in for fields a config
-    lacks, 2056 for Mamba 2, whose context has no such bound)."""
-    for c in (config, (config or {}).get("text_config")):
-        n = c.get("max_position_embeddings") if isinstance(c, dict) else None
-        if isinstance(n, int) and n > 0:
-            scaling = c.get("rope_scaling")
-            factor = scaling.get("factor") if isinstance(scaling, dict) else None
-            ok = isinstance(factor, (int, float)) and math.isfinite(factor)
-            return int(n * max(1.0, factor if ok else 1.0))
-    return None
 
 
 def _vision_tower(lm) -> bool:

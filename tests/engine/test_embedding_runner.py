@@ -9,7 +9,7 @@ import pytest
 
 from mlx_lm_plus.engine.embedding import EmbeddingOutput, EmbeddingRunner
 from mlx_lm_plus.models.embedders import load_embedder
-from mlx_lm_plus.models.provider import _mlx_lm_has
+from mlx_lm_plus.models.folders import _mlx_lm_has
 from mlx_lm_plus.planning.embedding import EmbeddingPlan
 from testkit.engine_harness import Collect
 

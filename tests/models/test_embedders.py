@@ -11,7 +11,7 @@ import pytest
 from mlx_lm_plus.models.embedders import (
     EmbedderError, Pooling, folder_task, load_embedder, read_pooling,
 )
-from mlx_lm_plus.models.provider import _mlx_lm_has
+from mlx_lm_plus.models.folders import _mlx_lm_has
 from mlx_lm_plus.models.served import read_models_config
 
 

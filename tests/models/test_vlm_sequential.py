@@ -107,7 +107,7 @@ def test_logits_processors_see_the_whole_prompt(runner):
 def test_which_path_a_folder_takes(fixture_path, tmp_path):
     """Batched for vision.py's families; mlx-vlm's generation for a family
     mlx-lm can't load, or when the config asks; else text only."""
-    from mlx_lm_plus.models.provider import image_path
+    from mlx_lm_plus.models.folders import image_path
     from mlx_lm_plus.models.served import read_models_config
 
     assert image_path(fixture_path("gemma3_vl")) == "batched"

@@ -7,7 +7,7 @@ import pytest
 
 from mlx_lm_plus.errors import PromptError
 from mlx_lm_plus.models.embedders import load_embedder
-from mlx_lm_plus.models.provider import _mlx_lm_has
+from mlx_lm_plus.models.folders import _mlx_lm_has
 from mlx_lm_plus.planning.embedding import (
     MAX_REQUEST_TOKENS, EmbeddingsRequest, RerankRequest, plan_embeddings, plan_rerank,
 )

@@ -235,7 +235,7 @@ def test_prompt_size_is_bounded_by_the_context_before_tokenizing(fixture_path, m
     from mlx_lm.server import CompletionRequest
 
     from mlx_lm_plus.engine import planner as engine_module
-    from mlx_lm_plus.models.provider import context_length
+    from mlx_lm_plus.models.folders import context_length
     from mlx_lm_plus.planning.prompt import DEFAULT_ROLE_CHARS, check_prompt_size, prompt_chars
     from testkit.engine_harness import EngineRunner
 

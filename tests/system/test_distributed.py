@@ -155,7 +155,7 @@ def test_every_rank_looks_before_loading(fixture_path, tmp_path):
     import json
     import shutil
 
-    from mlx_lm_plus.models.provider import loadable_fingerprint
+    from mlx_lm_plus.models.folders import loadable_fingerprint
 
     qwen3, qwen2 = fixture_path("qwen3"), fixture_path("qwen2")
     assert loadable_fingerprint(qwen3) == loadable_fingerprint(qwen3)
