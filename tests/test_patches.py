@@ -353,3 +353,47 @@ def test_the_mask_worker_works_in_a_forked_child():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("name, owner, attr", [
+    ("modernbert_padding", "ModernBertAttention", "__call__"),
+    ("modernbert_padding", "ModernBertModel", "__call__"),
+    ("modernbert_gelu", "ModernBertMLP", "__init__"),
+])
+def test_a_patch_waits_for_the_functions_it_rests_on(name, owner, attr, restored, monkeypatch,
+                                                     caplog):
+    """A patch whose fix is right only with another upstream function as it
+    was (the attention that reads the masks, the constructor that picks the
+    GELU) is not applied where that one changed, even if its own target
+    did not."""
+    from mlx_embeddings.models import modernbert
+
+    patch = getattr(patches, name)
+    patch.revert()
+    cls = getattr(modernbert, owner)
+    original = getattr(cls, attr)
+
+    def changed(self, *args, **kwargs):  # (another version's: other source)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, attr, changed)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_plus.patches"):
+        assert patch.apply() is False
+    assert f"{owner}.{attr} is not the function it was written for" in caplog.text
+    monkeypatch.undo()
+    assert patch.apply() is True
+
+
+def test_the_server_imports_when_mlx_embeddings_has_other_names():
+    """An mlx-embeddings whose ModernBERT classes are named otherwise (any
+    failure of the patches' imports, not only an ImportError) leaves the
+    ModernBERT patches out with a warning; the engine still imports."""
+    code = ("import mlx_embeddings.models.modernbert as m; del m.ModernBertMLP; "
+            "import mlx_lm_plus.engine.engine, mlx_lm_plus.patches as p; "
+            "print(sorted(x.__name__.rpartition('.')[2] for x in p.PATCHES))")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "modernbert" not in out.stdout and "batched_logits_processors" in out.stdout
+    assert "ModernBERT patches not applied" in out.stderr

@@ -269,12 +269,18 @@ def _modernbert_config(config: dict, path) -> dict:
         raise EmbedderError(f"{path} with rope_scaling is not served")
     rope = config.get("rope_parameters")
     if isinstance(rope, dict):
+        if set(rope) - set(MODERNBERT_LAYER_TYPES):
+            # (transformers 5 refuses a ModernBERT config without them)
+            raise EmbedderError(f"{path}'s rope_parameters are not per layer type "
+                                f"{MODERNBERT_LAYER_TYPES}")
         for layer_type, key in zip(MODERNBERT_LAYER_TYPES, ("global_rope_theta",
                                                             "local_rope_theta")):
             params = rope.get(layer_type) or {}
-            if params.get("rope_type", "default") != "default":
-                raise EmbedderError(f"{path} with {layer_type} RoPE of type "
-                                    f"{params['rope_type']!r} is not served")
+            # (`type`: the older key, which transformers still reads)
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind != "default":
+                raise EmbedderError(f"{path} with {layer_type} RoPE of type {kind!r} "
+                                    "is not served")
             if "rope_theta" in params:
                 given[key] = float(params["rope_theta"])
     return given

@@ -29,11 +29,11 @@ PATCHES = [
     batched_logits_processors,
 ]
 
-try:  # (an mlx-embeddings that doesn't import serves no encoder: nothing to fix)
+try:  # (an mlx-embeddings that doesn't import, or has other names, is not fixed here)
     from . import modernbert_gelu, modernbert_padding
 
     PATCHES += [modernbert_padding, modernbert_gelu]
-except ImportError as e:
+except Exception as e:
     logging.getLogger("mlx_lm_plus.patches").warning(
         f"mlx-embeddings' ModernBERT patches not applied: {e}")
 

@@ -37,12 +37,17 @@ class Patch:
     """Replace `owner.attr` with `replacement`, if it is the function of `sha256`."""
 
     def __init__(self, name: str, owner, attr: str, sha256: str, replacement,
-                 package: str = "mlx-lm", written_for: str = WRITTEN_FOR):
+                 package: str = "mlx-lm", written_for: str = WRITTEN_FOR, depends_on=()):
         self.name = name.rpartition(".")[2]  # the patch module's name
         self.package, self.written_for = package, written_for  # whose function, which version
         self.owner, self.attr = owner, attr
         self.sha256 = sha256
         self.replacement = replacement
+        # Other upstream functions the fix is right only with, as
+        # (owner, attr, sha256): a patch of one function whose meaning rests
+        # on how another uses its result (a mask, say) must not apply
+        # where that other one changed while it did not.
+        self.depends_on = tuple(depends_on)
         # What `revert()` puts back: upstream's function (updated at apply).
         self.original = getattr(owner, attr)
 
@@ -59,18 +64,22 @@ class Patch:
         if self.applied:
             return True
         current = getattr(self.owner, self.attr)
-        try:
-            found = source_sha256(current)
-        except (OSError, TypeError):
-            found = None  # no source to check: treat as different
-        if found != self.sha256:
-            log.warning(
-                f"patch {self.name} not applied: {self.target} is not the function it was "
-                f"written for ({self.package} {self.written_for}; installed {self.package} "
-                f"{package_version(self.package)}, "
-                "source hash differs). Upstream's code stays in place."
-            )
-            return False
+        checked = [(self.target, current, self.sha256)] + [
+            (f"{owner.__module__}.{owner.__qualname__}.{attr}", getattr(owner, attr, None), sha)
+            for owner, attr, sha in self.depends_on]
+        for target, fn, sha256 in checked:
+            try:
+                found = source_sha256(fn)
+            except (OSError, TypeError):
+                found = None  # no source to check: treat as different
+            if found != sha256:
+                log.warning(
+                    f"patch {self.name} not applied: {target} is not the function it was "
+                    f"written for ({self.package} {self.written_for}; installed "
+                    f"{self.package} {package_version(self.package)}, source hash differs). "
+                    "Upstream's code stays in place."
+                )
+                return False
         self.original = current
         setattr(self.owner, self.attr, self.replacement)
         return True

@@ -49,5 +49,13 @@ PATCH = Patch(
     replacement=_update_attention_mask,
     package="mlx-embeddings",
     written_for="0.1.0",
+    # Boolean masks are masks only where they reach
+    # mx.fast.scaled_dot_product_attention (an attention that added them to
+    # the scores would mask nothing): the model's and attention's calls too.
+    depends_on=[
+        (_Model, "__call__", "6c3260b833a1e264f914c48a4f41fac0d3d171612e8261053e2dd57ff41f7f27"),
+        (modernbert.ModernBertAttention, "__call__",
+         "e3cb37f071d81b0b1e175920a381dfced5fa67a95c15ffcde539c551c2c287d7"),
+    ],
 )
 apply, revert = PATCH.apply, PATCH.revert

@@ -161,13 +161,34 @@ def test_modernbert_configs_in_transformers_5s_keys(fixture_path, tmp_path):
     defaults = _modernbert_copy(fixture_path, tmp_path, global_attn_every_n_layers=None)
     assert np.abs(_vector(load_embedder(str(defaults), "embed", _mlx_lm_has)[0], ids)
                   - want).max() > 1e-3
+    # Thetas other than mlx-embeddings' defaults reach the model from either
+    # spelling (the defaults above would hide a theta not passed on).
+    shutil.rmtree(defaults)
+    thetas = _modernbert_copy(fixture_path, tmp_path, global_rope_theta=2000.0,
+                              local_rope_theta=300.0)
+    other = _vector(load_embedder(str(thetas), "embed", _mlx_lm_has)[0], ids)
+    assert np.abs(other - want).max() > 1e-4
+    shutil.rmtree(thetas)
+    new_thetas = _modernbert_copy(
+        fixture_path, tmp_path, global_attn_every_n_layers=None, global_rope_theta=None,
+        local_rope_theta=None,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 2000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}})
+    np.testing.assert_allclose(
+        _vector(load_embedder(str(new_thetas), "embed", _mlx_lm_has)[0], ids), other, atol=1e-6)
     for changes, says in [
         ({"layer_types": ["full_attention", "sliding_attention", "sliding_attention"][::-1]},
          "every N"),
         ({"hidden_activation": "silu"}, "hidden_activation"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling"),
         ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
-         "linear")]:
+         "linear"),
+        # (transformers still reads the older key `type`)
+        ({"rope_parameters": {"full_attention": {"type": "linear", "factor": 2.0}}},
+         "linear"),
+        # (one set for every layer: transformers 5 refuses it for ModernBERT)
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 2000.0}}, "per layer type")]:
         shutil.rmtree(tmp_path / "modernbert")
         with pytest.raises(EmbedderError, match=says):
             load_embedder(str(_modernbert_copy(fixture_path, tmp_path, **changes)), "embed",
