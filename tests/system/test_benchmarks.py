@@ -211,3 +211,22 @@ def test_a_model_folder_given_relative_reaches_servers_absolute(fixture_path, tm
     assert resolve_model(args, tmp_path) == str(fixture_path("qwen3").resolve())
     args = argparse.Namespace(model="org/not-a-folder-here", model_kind="hybrid")
     assert resolve_model(args, tmp_path) == "org/not-a-folder-here"
+
+
+def test_cpu_profile_accounts_for_the_pass(fixture_path, capsys):
+    """benchmarks.cpu_profile times each kind of op: on a fixture every kind
+    the model has gets time, none more than the timed pass, and the kinds
+    with the rest add up to it."""
+    from benchmarks import cpu_profile
+
+    result = cpu_profile.main(["--model", str(fixture_path("qwen3")), "--prompt", "24",
+                               "--steps", "3", "--repeats", "1"])
+    for phase in ("prefill", "decode"):
+        r = result[phase]
+        kinds = r["kinds"]
+        for kind in cpu_profile.KINDS[:6]:  # (projections, MLP, LM head, attention, RoPE, norms)
+            assert kinds[kind] > 0, (phase, kind)
+        assert sum(kinds.values()) >= r["timed"] * 0.999 and r["real"] > 0
+        assert all(0 <= s <= r["timed"] for s in kinds.values())
+    assert result["decode"]["kinds"]["argmax (greedy pick)"] > 0
+    assert "| attention (scores, softmax, values) |" in capsys.readouterr().out
