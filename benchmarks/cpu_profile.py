@@ -31,17 +31,24 @@ preload_fast_blas()  # before MLX loads (models/cpu.py)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-KINDS = ("attention projections (q, k, v, o)", "MLP projections (gate, up, down)",
-         "LM head", "attention (scores, softmax, values)", "RoPE", "norms",
-         "embedding lookup", "argmax (greedy pick)", "the rest")
+PROJECTIONS = "attention projections (q, k, v, o)"
+MLP = "MLP projections (gate, up, down)"
+LM_HEAD = "LM head"
+ATTENTION = "attention (scores, softmax, values)"
+ROPE = "RoPE"
+NORMS = "norms"
+EMBEDDING = "embedding lookup"
+ARGMAX = "argmax (greedy pick)"
+REST = "the rest"
+KINDS = (PROJECTIONS, MLP, LM_HEAD, ATTENTION, ROPE, NORMS, EMBEDDING, ARGMAX, REST)
 
 
 def _kind_of_linear(path: str) -> str:
     if path.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-        return KINDS[0]
+        return PROJECTIONS
     if path.endswith(("gate_proj", "up_proj", "down_proj")):
-        return KINDS[1]
-    return KINDS[2]  # lm_head
+        return MLP
+    return LM_HEAD
 
 
 class OpTimer:
@@ -84,18 +91,18 @@ class OpTimer:
         for cls in (nn.Linear, nn.QuantizedLinear):
             wrap(cls, "__call__", linear_kind)
         for cls in (nn.RMSNorm, nn.LayerNorm):
-            wrap(cls, "__call__", lambda m: KINDS[5])
+            wrap(cls, "__call__", lambda m: NORMS)
         for cls in (nn.Embedding, nn.QuantizedEmbedding):
-            wrap(cls, "__call__", lambda m: KINDS[6])
-            wrap(cls, "as_linear", lambda m: KINDS[2])  # (a tied LM head)
+            wrap(cls, "__call__", lambda m: EMBEDDING)
+            wrap(cls, "as_linear", lambda m: LM_HEAD)  # (a tied LM head)
         ropes = {type(m) for _, m in model.named_modules() if "rope" in type(m).__name__.lower()}
         for cls in ropes:
-            wrap(cls, "__call__", lambda m: KINDS[4])
+            wrap(cls, "__call__", lambda m: ROPE)
         family = importlib.import_module(type(model).__module__)
         attention = getattr(family, "scaled_dot_product_attention", None)
         if attention is not None:
             def sdpa(*args, **kwargs):
-                return timer.timed(KINDS[3], attention, *args, **kwargs)
+                return timer.timed(ATTENTION, attention, *args, **kwargs)
             family.scaled_dot_product_attention = sdpa
         try:
             yield
@@ -134,7 +141,7 @@ def profile(model, prompt_tokens: int, steps: int, repeats: int):
     def decode(cache, token):
         for _ in range(steps):
             logits = model(token[:, None], cache=cache)
-            token = timer.timed(KINDS[7], mx.argmax, logits[:, -1, :], axis=-1)
+            token = timer.timed(ARGMAX, mx.argmax, logits[:, -1, :], axis=-1)
             mx.eval(token)
 
     with timer.installed(model):
@@ -158,8 +165,8 @@ def profile(model, prompt_tokens: int, steps: int, repeats: int):
         real = statistics.median(t for t, _ in runs[(phase, False)])
         timed_runs = runs[(phase, True)]
         timed = statistics.median(t for t, _ in timed_runs)
-        kinds = {k: statistics.median(s.get(k, 0.0) for _, s in timed_runs) for k in KINDS[:-1]}
-        kinds[KINDS[-1]] = max(0.0, timed - sum(kinds.values()))
+        kinds = {k: statistics.median(s.get(k, 0.0) for _, s in timed_runs) for k in KINDS if k != REST}
+        kinds[REST] = max(0.0, timed - sum(kinds.values()))
         out[phase] = {"real": real, "timed": timed, "kinds": kinds}
     return out
 
@@ -194,7 +201,7 @@ def main(argv=None):
               "timed alone")
         print("| kind of op | ms | share |\n|---|---:|---:|")
         for kind, seconds in sorted(r["kinds"].items(), key=lambda kv: -kv[1]):
-            if phase == "prefill" and kind == KINDS[7]:
+            if phase == "prefill" and kind == ARGMAX:
                 continue
             print(f"| {kind} | {1e3 * seconds:.2f} | {100 * seconds / r['timed']:.0f}% |")
     return result

@@ -21,13 +21,18 @@ WRITTEN_FOR = "0.32.2"
 _GENERATOR_STATE = ("_unprocessed_sequences", "_prompt_batch", "_generation_batch")
 
 
-def mlx_lm_version() -> str:
-    """The installed mlx-lm's version (patches/ and this module say it when
-    what they were written for is not what they find)."""
+def package_version(package: str) -> str:
+    """An installed package's version ("unknown" if it isn't installed):
+    patches/ and this module say it when what they were written for is not
+    what they find."""
     try:
-        return version("mlx-lm")
+        return version(package)
     except PackageNotFoundError:
         return "unknown"
+
+
+def mlx_lm_version() -> str:
+    return package_version("mlx-lm")
 
 
 class UpstreamChanged(ImportError):

@@ -12,21 +12,10 @@ undo that. Then it logs a warning and leaves upstream's function alone.
 import hashlib
 import inspect
 import logging
-from importlib.metadata import PackageNotFoundError, version
 
-from mlx_lm_plus.upstream import WRITTEN_FOR, mlx_lm_version
+from mlx_lm_plus.upstream import WRITTEN_FOR, package_version
 
 log = logging.getLogger("mlx_lm_plus.patches")
-
-
-def package_version(package: str) -> str:
-    """The installed version of `package` ("unknown" if it isn't)."""
-    if package == "mlx-lm":
-        return mlx_lm_version()
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def source_sha256(fn) -> str:
