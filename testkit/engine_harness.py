@@ -3,6 +3,7 @@
 import copy
 import queue
 import time
+from types import SimpleNamespace
 
 from mlx_lm.server import Response
 
@@ -11,6 +12,7 @@ from mlx_lm_plus.engine.channel import Channel
 from mlx_lm_plus.engine.engine import Engine
 from mlx_lm_plus.models.provider import ModelProvider
 from mlx_lm_plus.config import parse_args
+from mlx_lm_plus.http.intake import Intake, _may_constrain
 from mlx_lm_plus.protocols.validation import parse_request
 
 
@@ -95,6 +97,12 @@ class EngineRunner:
         # messages in place, and tests send the same ones again.
         body = copy.deepcopy(body)
         parsed = parse_request(path, {"max_tokens": 10, **body}, self.args)
+        # Structured output compiled as the HTTP intake compiles it (in a
+        # constraint lane there): a response_format or a forced tool is a
+        # real grammar here too.
+        if _may_constrain(parsed.request):
+            parsed.request.constraint = Intake._compile_constraint(
+                SimpleNamespace(model_provider=self.provider), parsed.request, parsed.args.model)
         channel = Collect()
         self.engine.submit(channel, parsed.request, parsed.args)
         return channel

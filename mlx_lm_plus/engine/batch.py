@@ -46,6 +46,8 @@ class _Batch:
         self.model_key = lm.key
         self.keep_checkpoints = host.facts.keep_checkpoints(lm)
         self.text_only = lm.processor is None
+        # (Proposes for this model's rows in the batch: speculation.py.)
+        self.draft_model = getattr(lm, "draft_model", None)
         self.results: Dict[int, Dict[str, Any]] = {}
         self._outbox = []  # (channel, event) of the step running
         self._samplers = {}  # sampling settings -> sampler (see _sampler)
@@ -82,13 +84,18 @@ class _Batch:
             stream=self.stream,
             **kv,
         )
-        # Prompt lookup (speculation.py): where the KV is plain and one
-        # process decides (under mx.distributed every rank would have to
-        # draw alike), on text models (a vision model's positions are its own).
+        # Speculation (speculation.py), from the draft model or by prompt
+        # lookup: where the KV is plain and one process decides (under
+        # mx.distributed every rank would have to draw alike), on text
+        # models (a vision model's positions are its own). A model with a
+        # draft is batched only where its draft can propose here
+        # (provider.py: drafting.drafts_in_batch).
         self.lookups = None
-        if (args.prompt_lookup_tokens and generator is BatchGenerator
+        if ((args.prompt_lookup_tokens or self.draft_model is not None)
+                and generator is BatchGenerator
                 and not self.host.group.is_distributed and self.text_only):
-            self.lookups = speculation.install(self.generator)
+            self.lookups = speculation.install(self.generator, self.draft_model,
+                                               args.prefill_step_size)
 
     @property
     def active(self) -> bool:
@@ -136,9 +143,12 @@ class _Batch:
             stop_sequences=[a.stop_sequences],
             **more,
         )
-        if self.lookups is not None and speculation.proposes_for(a.args, a.budget, a.constraint):
+        most = (self.host.cli_args.prompt_lookup_tokens if self.draft_model is None
+                else a.args.num_draft_tokens)
+        if (self.lookups is not None and most > 0
+                and speculation.proposes_for(a.args, a.budget, a.constraint)):
             self.lookups[uid] = speculation.RowLookup(
-                speculation.RowSampling.of(a.args.sampling), self.host.cli_args.prompt_lookup_tokens)
+                speculation.RowSampling.of(a.args.sampling), most)
         a.channel.put(a.ctx)
         self.results[uid] = {
             "ctx": a.ctx,
@@ -443,7 +453,8 @@ class _Batch:
         g = self.generator
         queued = sum(c.nbytes for uid, cache in queued_caches(g)
                      if self.results.get(uid, {}).get("prefilled") for c in cache)
-        return queued + sum(c.nbytes for c in in_flight_caches(g))
+        return (queued + sum(c.nbytes for c in in_flight_caches(g))
+                + speculation.draft_nbytes(g))
 
     def enforce_budget(self):
         """The prompt cache's byte budget covers the caches in flight too (as

@@ -5,10 +5,11 @@ rank judges its own layers)."""
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_plus.cache.layers import is_plain_kv
+from mlx_lm_plus.engine.drafting import drafts_in_batch
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
 from mlx_lm_plus.engine.sampling import batches_seeded
 from mlx_lm_plus.models.provider import own_vision
-from mlx_lm_plus.upstream import image_parts
+from mlx_lm_plus.upstream import generation_batch_as_written, image_parts
 
 
 def needs_checkpoints(model) -> bool:
@@ -42,6 +43,16 @@ class ModelFacts:
         return self._per_model(lm, "checkpoints", lambda: not self.group.on_every_rank(
             not needs_checkpoints(lm.model)))
 
+    def drafts_in_batch(self, lm) -> bool:
+        """Whether `lm`'s draft model proposes inside its batch
+        (speculation.py, drafting.py): plain KV, a text model, no --kv-bits,
+        the GenerationBatch it was written for, one process. Else its
+        requests take the sequential path, as upstream's do."""
+        return lm.draft_model is not None and self._per_model(lm, "drafts in batch", lambda: (
+            lm.processor is None and self.cli_args.kv_bits is None
+            and not self.group.is_distributed and generation_batch_as_written()
+            and drafts_in_batch(lm.model, lm.draft_model)))
+
     def is_batchable(self, lm, request, args) -> bool:
         """Whether a request joins its model's batch (else the sequential
         path serves it)."""
@@ -56,6 +67,7 @@ class ModelFacts:
         cli_args = self.cli_args
         return (
             lm.is_batchable
+            and (lm.draft_model is None or self.drafts_in_batch(lm))
             and (args.seed is None or batches_seeded(args.sampling))
             and (cli_args.kv_bits is None
                  or self._per_model(lm, "quantized batching", lambda: self.group.on_every_rank(

@@ -40,7 +40,7 @@ class SequentialRunner:
         tic = time.perf_counter()
         host.counters.admitted += 1
         try:
-            tokenizer, draft_model = lm.tokenizer, lm.draft_model
+            tokenizer, draft_model = lm.tokenizer, self._draft(lm)
             planned = host.planner.for_model(lm, request, args, planned)
             plan, constraint = planned.plan, planned.constraint
             ctx, stop_sequences = host.planner.context(lm, plan, args)
@@ -150,7 +150,7 @@ class SequentialRunner:
         the cached prefix, the images and checkpoints prefilled here, the
         rest in stream_generate."""
         host = self.host
-        model, tokenizer, draft_model = lm.model, lm.tokenizer, lm.draft_model
+        model, tokenizer, draft_model = lm.model, lm.tokenizer, self._draft(lm)
         segments = with_divergence(plan, host.planner.shared_depth(lm, plan)[1])
         vision_support = vision_of(lm)
         found = host.store.fetch(lm.key, plan.cache_key)
@@ -212,6 +212,14 @@ class SequentialRunner:
             kv_group_size=host.cli_args.kv_group_size,
             quantized_kv_start=host.cli_args.quantized_kv_start,
         )
+
+    def _draft(self, lm):
+        """The draft model this path speculates with: none where the draft
+        proposes in the batch (facts.drafts_in_batch), whose stored caches
+        are the model's alone (a request here then runs without it)."""
+        if lm.draft_model is None or self.host.facts.drafts_in_batch(lm):
+            return None
+        return lm.draft_model
 
     def _mlx_vlm_generation(self, lm, channel, plan, ctx, args, sampler, logits_processors):
         """(cache, responses) of a model served through mlx-vlm's own

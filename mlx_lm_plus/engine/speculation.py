@@ -47,7 +47,6 @@ before it looks again, so text with nothing to copy pays almost nothing.
 """
 
 import time
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -55,132 +54,21 @@ import numpy as np
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from mlx_lm_plus.engine.batch_kv import roll_into_padding
+from mlx_lm_plus.engine.drafting import DraftRows
+from mlx_lm_plus.engine.lookup import RowLookup
 from mlx_lm_plus.engine.sampling import RowSampling
 from mlx_lm_plus.logs import warn_once
 from mlx_lm_plus.upstream import (WRITTEN_FOR, generation_batch, generation_batch_as_written,
                                   mlx_lm_version)
 from mlx_lm_plus.patches.batched_logits_processors import process_rows
 
-NGRAM_MAX = 4  # the longest suffix a match is scored on (two at least)
-CANDIDATES = 64  # earlier places of the last two tokens compared, latest first
 CARRY_MAX = 8  # tokens a row may carry to the next step (see _verify)
 # Most positions (rows x width) one checking step computes: its logits are
 # positions x vocabulary floats (512 x 152k: 311 MB), not in any budget.
 MAX_POSITIONS = 512
-MAX_BACKOFF = 16  # steps a row waits, at most, after proposals that failed
 UNPAID_WAIT = 4  # steps a row waits after proposals not worth checking
 EXPLORE_EVERY = 256  # steps without a check before one is made regardless
-
-
-@dataclass
-class RowLookup:
-    """A speculating row: its tokens (as growing arrays, searched for its
-    own suffix), its proposal length and what it has proposed and kept."""
-    sampling: RowSampling
-    max_tokens: int  # the flag's cap on proposals per step
-    length: int = 0  # its current proposal length
-    wait: int = 0  # steps to skip proposing (after failures, or no match)
-    failures: int = 0  # steps in a row where nothing was accepted
-    misses: int = 0  # lookups in a row that found nothing
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0  # verifying steps it proposed in
-    # Recent proposals kept and checked (a proposal is checked when all
-    # before it were kept), older steps weighing less: its acceptance rate.
-    _kept: float = 1.0
-    _checked: float = 2.0
-    # The row's tokens, and each pair of neighbours as one number (so that
-    # one comparison over the row finds every earlier place of its last two
-    # tokens: a 100,000-token row in well under a millisecond).
-    _tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    _pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    _size: int = 0
-
-    def __post_init__(self):
-        self.length = self.max_tokens
-
-    def _sync(self, tokens: List[int], tail: int):
-        """Append what the row's tokens gained since the last call (a row's
-        tokens only grow while it is in the batch), with room for `tail`
-        more."""
-        n = len(tokens)
-        if n < self._size:  # (never expected; start over rather than lie)
-            self._size = 0
-        if n + tail > len(self._tokens):
-            room = max(n + tail, 2 * len(self._tokens), 256)
-            self._tokens = np.resize(self._tokens, room)
-            self._pairs = np.resize(self._pairs, room)
-        if n > self._size:
-            start = self._size
-            self._tokens[start:n] = tokens[start:n]
-            first = max(0, start - 1)
-            self._pairs[first:n - 1] = _pair(self._tokens[first:n - 1], self._tokens[first + 1:n])
-            self._size = n
-
-    def propose(self, tokens: List[int], tail: List[int], room: int) -> List[int]:
-        """The tokens that followed an earlier place of the row's last two
-        known tokens (`tokens`, those in its KV, then `tail`, those it
-        carries): a guess at its pending token (sampled, not yet read: the
-        step that computed it may still be running), then up to
-        min(length, room) proposals after it. Of the latest CANDIDATES such
-        places, the one whose match runs back furthest (up to NGRAM_MAX
-        tokens), the latest on a tie."""
-        k = min(self.length, room) + 1
-        n, total = len(tokens), len(tokens) + len(tail)
-        if k <= 0 or n < 1 or total < 3:
-            return []
-        self._sync(tokens, len(tail))
-        h, pairs = self._tokens, self._pairs
-        # (The tail and its pairs after the row's own, until the next sync.)
-        h[n:total] = tail
-        pairs[n - 1:total - 1] = _pair(h[n - 1:total - 1], h[n:total])
-        found = np.flatnonzero(pairs[:total - 2] == pairs[total - 2])
-        if not len(found):
-            self.misses += 1
-            self.wait = min(MAX_BACKOFF, self.misses)
-            return []
-        self.misses = 0
-        best, best_run = None, -1
-        for j in found[-CANDIDATES:][::-1].tolist():
-            run = 0
-            while (run < NGRAM_MAX - 2 and j - 1 - run >= 0
-                   and h[j - 1 - run] == h[total - 3 - run]):
-                run += 1
-            if run > best_run:
-                best, best_run = j, run
-        start = best + 2  # (at most total - 1)
-        return h[start:min(total, start + k)].tolist()
-
-    def ready(self) -> bool:
-        """Whether it looks this step (else one step less to wait)."""
-        if self.wait > 0:
-            self.wait -= 1
-            return False
-        return True
-
-    def rates(self, k: int) -> List[float]:
-        """The chance that each of k proposals is kept (each with its rate,
-        while all before it were)."""
-        rate = self._kept / self._checked
-        return [rate ** j for j in range(1, k + 1)]
-
-    def verified(self, proposed: int, accepted: int):
-        self.steps += 1
-        self.proposed += proposed
-        self.accepted += accepted
-        self._kept = 0.8 * self._kept + accepted
-        self._checked = 0.8 * self._checked + min(accepted + 1, proposed)
-        self.length = max(1, min(self.max_tokens, accepted + 1))
-        if accepted == 0:
-            self.failures += 1
-            self.wait = min(MAX_BACKOFF, 2 ** (self.failures - 1) - 1)
-        else:
-            self.failures = 0
-
-
-def _pair(first, second):
-    """Two neighbouring tokens as one number (token ids are under 2**31)."""
-    return (np.asarray(first, np.int64) << 32) | np.asarray(second, np.int64)
 
 
 def proposes_for(args, budget, constraint) -> bool:
@@ -234,12 +122,19 @@ class StepCost:
         return max(1e-6, (t - b * p) / w) + b * positions
 
 
+class DraftCost(StepCost):
+    """Seconds drafting W tokens a row takes (a + b * W: its catching-up
+    call, then one call a token)."""
+
+
 def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[int],
-                  cost: StepCost) -> int:
+                  cost: StepCost, drafting: Optional[StepCost] = None) -> int:
     """How many proposals a row may check this step (each row's own, cut to
     that), for the most tokens a second: row i feeds fed[i] tokens before
     its proposals (what it carries and its pending token) and writes one
-    token more than it keeps; 0 when checking none is best."""
+    token more than it keeps; 0 when checking none is best. With a draft
+    model, `drafting` is what drafting a width costs (by width; nothing
+    until seen, so that it gets tried)."""
     count = len(proposals)
     # (Each row's expected kept tokens for every width, once: O(rows x k).)
     kept = [np.cumsum([0.0] + r.rates(len(p))) if r is not None and p else np.zeros(1)
@@ -249,20 +144,13 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
     for width in range(max(0, widest) + 1):
         tokens = count + sum(k[min(width, len(k) - 1)] for k in kept)
         feeds = max(f + min(width, len(p)) for f, p in zip(fed, proposals))
-        rate = tokens / cost.predict(count * feeds)
+        seconds = cost.predict(count * feeds)
+        if width and drafting is not None and drafting.seen:
+            seconds += drafting.predict(width)
+        rate = tokens / seconds
         if rate > best_rate:
             best, best_rate = width, rate
     return best
-
-
-def _strip_shared_padding(c, shared: int):
-    """Drop `shared` positions of left padding every row of a BatchKVCache
-    has (as its filter does when a row leaves): rolled rows' padding would
-    otherwise only grow, and the KV, its attention and its bytes with it."""
-    c.keys = c.keys[..., shared:, :]
-    c.values = c.values[..., shared:, :]
-    c._idx -= shared
-    c.left_padding = c.left_padding - shared
 
 
 def speculates(prompt_cache) -> bool:
@@ -294,42 +182,55 @@ class SpeculativeGenerationBatch(GenerationBatch):
             # (Upstream's step, its next token computed while this returns:
             # the pending tokens are not waited for.)
             return self._plain(rows, tic)
-        # (Proposals come from the known tokens, the pending one guessed: its
-        # step may still be running, and is not waited for here. A wrong
-        # guess costs only proposals rejected: each is checked against the
-        # model's own token after the real pending one.)
-        proposals = []
-        for i, (uid, lookup) in enumerate(zip(self.uids, lookups)):
-            if not looking[i]:
-                proposals.append([])
-                continue
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
-            following = lookup.propose(self.tokens[i], self.carried.get(uid, []), room)
-            proposals.append(following[1:])
+        rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(rows)]
+        if self.draft is None:
+            proposals = self._looked_up(lookups, looking, rooms)
+        else:  # (their lengths: the draft drafts once the width is chosen)
+            proposals = [[0] * min(lookup.length, room) if look else []
+                         for lookup, look, room in zip(lookups, looking, rooms)]
         if any(proposals):
             fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
             # (Every EXPLORE_EVERY steps without a check, one is made as if
             # checking cost nothing: costs and rates seen long ago, or one
             # slow step, would otherwise stop checks for good.)
             probe = self.unchecked >= EXPLORE_EVERY
-            width = widest_paying(lookups, proposals, fed, StepCost() if probe else self.cost)
+            width = widest_paying(lookups, proposals, fed, StepCost() if probe else self.cost,
+                                  None if self.draft is None or probe else self.draft.cost)
             if width == 0:  # (not worth it now: look again in a few steps)
                 for lookup, p in zip(lookups, proposals):
                     if p:
                         lookup.wait = max(lookup.wait, UNPAID_WAIT)
             proposals = [p[:width] for p in proposals]
+        # (Timed from here: the wait for the step before, still running, is
+        # that step's time, not this one's.)
+        if self.draft is not None and any(proposals):
+            mx.eval(self._next_tokens)
+            known = [self.tokens[i] + self.carried.get(uid, []) for i, uid in enumerate(self.uids)]
+            proposals = self.draft.propose(known, self._next_tokens, list(map(len, proposals)))
         if not any(proposals) and not self.carried:
             return self._plain(rows, tic)
         positions = len(self.uids) * max(len(self.carried.get(uid, ())) + 1 + len(p)
                                          for uid, p in zip(self.uids, proposals))
-        # (Timed from here: the wait for the step before, still running, is
-        # that step's time, not this one's.)
         mx.eval(self._next_tokens)
         tic = time.perf_counter()
         responses = self._verify(proposals)
         self.cost.observe(positions, time.perf_counter() - tic)
         self.unchecked, self.after_check = 0, True
         return responses
+
+    def _looked_up(self, lookups, looking, rooms) -> List[List[int]]:
+        """Prompt lookup's proposals, from the known tokens, the pending one
+        guessed: its step may still be running, and is not waited for here.
+        A wrong guess costs only proposals rejected: each is checked against
+        the model's own token after the real pending one."""
+        proposals = []
+        for i, (uid, lookup) in enumerate(zip(self.uids, lookups)):
+            if not looking[i]:
+                proposals.append([])
+                continue
+            following = lookup.propose(self.tokens[i], self.carried.get(uid, []), rooms[i])
+            proposals.append(following[1:])
+        return proposals
 
     def _plain(self, rows: int, tic: float):
         """Upstream's step. Its time is the step before's (it waits for that
@@ -411,7 +312,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         mx.eval(first, list(plain_next.values()), contexts,
                 [v for c in checks.values() for v in c.values()])
 
-        next_tokens, next_logprobs, emitted, valid = [], [], [], []
+        next_tokens, next_logprobs, emitted, valid, kept_by_row = [], [], [], [], []
         for i in range(rows):
             p = proposals[i]
             if not p:
@@ -427,6 +328,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                     self._token_context[i].update_and_fetch(mx.array(p[:kept], mx.int32))
             emitted.append(([pending[i]] + p[:kept], logprobs))
             valid.append(carried[i] + [pending[i]] + p[:kept])
+            kept_by_row.append(kept)
             next_tokens.append(token)
             next_logprobs.append(lp)
 
@@ -446,16 +348,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if any(rolled):
             tic = time.perf_counter()
             held = rows * self.prompt_cache[0].size()
-            for c in self.prompt_cache:
-                # (BatchKVCache.finalize rolls right-padded rows into their
-                # left padding: the same move, for positions written.)
-                c.prepare(right_padding=rolled)
-                c.finalize()
-            # (Every layer's padding is the same.)
-            shared = int(mx.min(self.prompt_cache[0].left_padding).item())
-            if shared > 0:
-                for c in self.prompt_cache:
-                    _strip_shared_padding(c, shared)
+            roll_into_padding(self.prompt_cache, rolled)
             mx.eval([(c.keys, c.values) for c in self.prompt_cache])
             self.roll_cost.observe(held, time.perf_counter() - tic)
         self.carried = {}
@@ -468,6 +361,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                                       for t in next_tokens], dtype=mx.uint32)
         self._next_logprobs = next_logprobs
         self._current_tokens = mx.array([e[0][-1] for e in emitted], dtype=mx.uint32)
+        if self.draft is not None:  # (before rows that finished leave)
+            self.draft.settle(kept_by_row)
         return self._finish(emitted)
 
     def _drop(self, rejected: List[int]) -> int:
@@ -561,15 +456,26 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self.filter(keep)  # (the runner forgets a finished row's lookup)
         return responses
 
+    def extend(self, batch):
+        """Rows joining (prefilled): with a draft model, their prompts run
+        through the draft too."""
+        if self.draft is not None:
+            self.draft.extend(batch.tokens, [uid in self.lookups for uid in batch.uids])
+        super().extend(batch)
+
     def filter(self, keep: List[int]):
         super().filter(keep)
+        if self.draft is not None:
+            self.draft.filter(keep)
         if self.carried:  # (rows that left: finished, or removed by the runner)
             live = set(self.uids)
             self.carried = {u: t for u, t in self.carried.items() if u in live}
 
 
-def install(generator) -> Optional[Dict[int, RowLookup]]:
-    """Make `generator`'s decode batch a speculating one; returns its
+def install(generator, draft_model=None, prefill_step_size: int = 2048
+            ) -> Optional[Dict[int, RowLookup]]:
+    """Make `generator`'s decode batch a speculating one, its proposals
+    from `draft_model` (drafting.py) or else from prompt lookup; returns its
     uid -> RowLookup map for the runner to fill (None, and a warning once,
     where mlx-lm's GenerationBatch is not the one this was written for)."""
     if not generation_batch_as_written():
@@ -582,7 +488,16 @@ def install(generator) -> Optional[Dict[int, RowLookup]]:
     batch.lookups, batch.carried = {}, {}
     batch.cost, batch.roll_cost = StepCost(), StepCost()
     batch.unchecked, batch.after_check = 0, False
+    batch.draft = None if draft_model is None else DraftRows(
+        draft_model, prefill_step_size, DraftCost(),
+        getattr(getattr(generator.model, "args", None), "vocab_size", None))
     return batch.lookups
+
+
+def draft_nbytes(generator) -> int:
+    """Bytes of a speculating batch's draft KV (0 without a draft)."""
+    draft = getattr(generation_batch(generator), "draft", None)
+    return draft.nbytes if draft is not None else 0
 
 
 def summary(lookup: Optional[RowLookup]) -> Optional[dict]:

@@ -280,7 +280,9 @@ class LoadedModel(UpstreamModelProvider):
                 'With "vision": "sequential" in --models-config its images are served '
                 "through mlx-vlm, one request at a time (README: Vision-language models)")
         self.draft_model = draft_model
-        self.is_batchable = draft_model is None and all(
+        # (With a draft: batched where the draft can propose inside the
+        # batch, engine/facts.py; else upstream's sequential path.)
+        self.is_batchable = all(
             hasattr(c, "merge") for c in upstream.make_prompt_cache(model))
         if self.is_distributed:  # (batched on every rank, or on none)
             self.is_batchable = not group_max([not self.is_batchable])[0]

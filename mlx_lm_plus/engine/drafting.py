@@ -1,0 +1,170 @@
+"""A draft model's proposals inside the batch (`--draft-model`, a request's
+`draft_model`): the proposal source of speculation.py where the served model
+has a draft.
+
+The draft keeps a batched KV cache of its own whose rows are the decode
+batch's, in the same order (`extend` and `filter` follow the batch's). A
+row's draft KV holds a prefix of the row's tokens: `fed[i]` of them. A
+drafting step feeds every proposing row what its draft has not seen yet
+(the tokens kept since, what the row carries, its pending token: one call,
+rows right-padded to one width and the padding then rolled into their left
+padding, as BatchKVCache.finalize does after a right-padded prompt), then
+draws `width` tokens greedily, one call each. The proposals are the draft's
+argmax: a point mass, so speculation.py's check (kept with probability
+p(d), else a draw from p without d) keeps the target's distribution at any
+temperature, as for prompt lookup.
+
+After the check (`settle`), every row's draft KV is trimmed by one count:
+the drafted positions past the fewest any row kept (a row that kept more
+feeds them again next step: the draft is the cheap model), so no position
+the row did not keep stays in its draft KV.
+
+A row joins with its prompt run through the draft at once (`extend`, in
+chunks of --prefill-step-size): the draft's KV is not kept in the prompt
+cache, so a cached prompt still costs the draft a prefill. Rows that never
+propose (a grammar, a thinking budget, a seeded sampled row) get an empty
+draft row and are never fed. Its bytes count with the batch's (`nbytes`).
+"""
+
+import time
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from mlx_lm_plus.engine.batch_kv import roll_into_padding
+
+# Most tokens a row feeds the draft in one step: a row behind by more (it
+# waited many steps) catches up over several and proposes once caught up.
+CATCH_UP_MAX = 64
+
+
+def drafts_in_batch(model, draft) -> bool:
+    """Whether `draft` can propose for `model`'s batch: both models' layers
+    plain KV (rolled back per row by trimming and rolling)."""
+    def plain(m):
+        try:
+            return all(type(c) is KVCache for c in make_prompt_cache(m))
+        except Exception:
+            return False
+    return plain(model) and plain(draft)
+
+
+class DraftRows:
+    """The draft model and its KV for the rows of one decode batch."""
+
+    def __init__(self, model, prefill_step_size: int, cost, vocab: Optional[int] = None):
+        self.model = model
+        # (Tokens the served model has logits for: a draft with a larger
+        # vocabulary never proposes one past them.)
+        self.vocab = vocab
+        self.prefill_step_size = max(1, prefill_step_size)
+        self.cache: Optional[List[BatchKVCache]] = None
+        self.fed: List[int] = []  # per row: its tokens in the draft KV
+        self.cost = cost  # (a StepCost) seconds of drafting by tokens drafted
+        self._drafted = 0  # tokens each row drafted in the step being checked
+        self._proposing: List[bool] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) if self.cache else 0
+
+    def extend(self, tokens: List[List[int]], proposes: List[bool]):
+        """Rows joining the batch (at its end): each proposing row's tokens
+        (those in its KV: the prompt) run through the draft."""
+        rows = []
+        for row, proposing in zip(tokens, proposes):
+            cache = make_prompt_cache(self.model)
+            if proposing:
+                for start in range(0, len(row), self.prefill_step_size):
+                    chunk = mx.array(row[start:start + self.prefill_step_size])[None]
+                    self.model(chunk, cache=cache)
+                    mx.eval([c.state for c in cache])
+            rows.append(cache)
+            self.fed.append(len(row) if proposing else 0)
+        joined = [BatchKVCache.merge(list(layer)) for layer in zip(*rows)]
+        if self.cache is None:
+            self.cache = joined
+        else:
+            for c, j in zip(self.cache, joined):
+                c.extend(j)
+
+    def filter(self, keep: List[int]):
+        """Only rows `keep` stay (in that order), as the batch's filter."""
+        if not keep:
+            self.cache, self.fed = None, []
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.fed = [self.fed[i] for i in keep]
+
+    def propose(self, known: List[List[int]], pending: mx.array,
+                lengths: List[int]) -> List[List[int]]:
+        """Each row's proposals (lengths[i] of them, 0: none; the longest
+        drafted for every proposing row). known[i]: the row's tokens but its
+        pending one (in its KV, then carried); pending: the pending tokens
+        (an array, one per row). A row still catching up feeds the draft
+        and proposes nothing."""
+        rows = len(known)
+        if self.cache is None or len(self.fed) != rows:
+            raise RuntimeError(f"draft rows {len(self.fed)} for a batch of {rows}")
+        tic = time.perf_counter()
+        feeds, drafting = [], []
+        for i in range(rows):
+            unseen = len(known[i]) + 1 - self.fed[i]
+            feed = min(unseen, CATCH_UP_MAX) if lengths[i] else 0
+            feeds.append(feed)
+            drafting.append(feed > 0 and feed == unseen)
+        self._drafted, self._proposing = 0, drafting
+        if not any(feeds):
+            return [[] for _ in range(rows)]
+        width = max(n for n, d in zip(lengths, drafting) if d) if any(drafting) else 0
+        wide = max(feeds)
+        # Row i: its unseen tokens (the pending one last, from the array
+        # that holds it), then padding to `wide`.
+        ids, at = [], []
+        for i in range(rows):
+            row = known[i][self.fed[i]:self.fed[i] + feeds[i]]
+            ids.append(row + [0] * (wide - len(row)))
+            at.append(feeds[i] - 1 if drafting[i] else -1)
+        is_pending = mx.arange(wide)[None, :] == mx.array(at)[:, None]
+        inputs = mx.where(is_pending, pending[:, None].astype(mx.uint32),
+                          mx.array(ids, dtype=mx.uint32))
+        logits = self.model(inputs, cache=self.cache)
+        last = mx.array([max(0, f - 1) for f in feeds])[:, None, None]
+        token = self._greedy(mx.take_along_axis(logits, last, axis=1)[:, 0, :])
+        padding = [wide - f for f in feeds]
+        if any(padding):  # (drafted tokens follow each row's own)
+            roll_into_padding(self.cache, padding)
+        for i in range(rows):
+            self.fed[i] += feeds[i]
+        if not width:  # (only catching up)
+            mx.eval([c.state for c in self.cache])
+            return [[] for _ in range(rows)]
+        drafted = [token]
+        for _ in range(width - 1):
+            logits = self.model(token[:, None], cache=self.cache)
+            token = self._greedy(logits[:, -1, :])
+            drafted.append(token)
+        drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
+        self._drafted = width
+        self.cost.observe(width, time.perf_counter() - tic)
+        return [drafted[i][:lengths[i]] if drafting[i] else [] for i in range(rows)]
+
+    def _greedy(self, logits: mx.array) -> mx.array:
+        return mx.argmax(logits[:, :self.vocab] if self.vocab else logits, axis=-1)
+
+    def settle(self, kept: List[int]):
+        """After the check: kept[i] of row i's proposals kept. The drafted
+        positions (inputs: all drafted tokens but the last) past the fewest
+        any row kept are trimmed from every row."""
+        fed_drafts = self._drafted - 1  # (the last drafted token was not fed)
+        if fed_drafts <= 0 or not self.cache:
+            self._drafted = 0
+            return
+        valid = min(min(k, fed_drafts) if proposing else 0
+                    for k, proposing in zip(kept, self._proposing))
+        for c in self.cache:
+            c.trim(fed_drafts - valid)
+        self.fed = [f + valid for f in self.fed]
+        self._drafted = 0

@@ -1,0 +1,290 @@
+"""A draft model inside the batch (engine/drafting.py): its proposals are
+checked as prompt lookup's are (speculation.py), rows with and without a
+draft share one batch, and the draft's own KV follows each row exactly.
+
+Two drafts of the attention fixture: the fixture itself (its argmax is the
+model's own, so nearly every proposal is kept unless the draft's KV has
+drifted from the row: the test of the draft's bookkeeping) and the llama
+fixture (another random model: most proposals rejected, at varied places:
+the test of the rollback)."""
+
+import threading
+import time
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm_plus.engine import drafting, speculation
+from testkit.engine_harness import SEQUENTIAL, EngineRunner
+from tests.engine.test_speculation import CHI2_999, MIXED, chat, chi2_statistic, run
+
+
+def draft_argv(path, tokens=4):
+    return ["--draft-model", str(path), "--num-draft-tokens", str(tokens)]
+
+
+def checked_always(monkeypatch, drop=None):
+    """Every width checked (a step's cost the same at any width, drafting
+    free: widths then don't hang on this machine's timings); with `drop`,
+    rejected KV always carried or always rolled."""
+    monkeypatch.setattr(speculation.StepCost, "predict", lambda self, positions: 1.0)
+    monkeypatch.setattr(speculation.DraftCost, "predict", lambda self, width: 0.0)
+    if drop == "carry":
+        monkeypatch.setattr(
+            speculation.SpeculativeGenerationBatch, "_drop",
+            lambda self, r: max(r) if max(r) - min(r) <= speculation.CARRY_MAX else min(r))
+    elif drop == "roll":
+        monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_drop",
+                            lambda self, r: min(r))
+
+
+@pytest.fixture(scope="module")
+def runners(fixture_path):
+    model = fixture_path("qwen3")
+    off = EngineRunner(model)
+    itself = EngineRunner(model, argv=draft_argv(model))
+    other = EngineRunner(model, argv=draft_argv(fixture_path("llama")))
+    yield off, itself, other
+    for r in (off, itself, other):
+        r.close()
+
+
+def figures(runner):
+    c = runner.engine.counters
+    return c.lookup_proposed, c.lookup_accepted, c.lookup_steps
+
+
+@pytest.mark.parametrize("draft,together,drop", [
+    ("itself", 1, None), ("other", 1, None), ("itself", 8, None), ("other", 8, None),
+    ("other", 8, "carry"), ("other", 8, "roll")])
+def test_greedy_text_and_logprobs_are_those_without_a_draft(
+        runners, monkeypatch, draft, together, drop):
+    """Alone and eight at a time (rows with penalties, logit_bias and a
+    schema among them), with a draft that is nearly always right and one
+    that is mostly wrong: the same tokens and logprobs as without a draft,
+    every request served in the batch, proposals checked, kept and
+    rejected."""
+    off, itself, other = runners
+    on = itself if draft == "itself" else other
+    checked_always(monkeypatch, drop)
+    bodies = MIXED[:together]
+    reference = run(off, bodies)
+    before, sequential = figures(on), on.sequential
+    got = run(on, bodies)
+    for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
+        assert tokens == want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+    proposed, accepted, steps = (a - b for a, b in zip(figures(on), before))
+    assert on.sequential == sequential
+    assert steps > 3 and 0 < accepted <= proposed, (proposed, accepted)
+    if draft == "other":
+        assert accepted < proposed
+
+
+def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
+    """Rows arriving while others decode (their prompts run through the
+    draft as they join, one step behind the others' feeds) beside a row
+    that never proposes (a schema: never fed, padded in every draft call)
+    and rows leaving at different times: with the model as its own draft,
+    proposals are its argmax wherever the draft's KV holds exactly each
+    row's tokens, so nearly all are kept; a position lost, repeated or left
+    in the draft's KV (catching up, rows padded to one width, trimming
+    after a check, rows joining or leaving) would show as rejections. The
+    draft's KV counts in the batch's bytes."""
+    off, itself, _ = runners
+    checked_always(monkeypatch)
+    first = [chat(f"Tell me story number {i} about the sea and the hills.",
+                  max_tokens=120 + 7 * i) for i in range(3)] + [{**MIXED[5], "max_tokens": 80}]
+    later = [chat(f"And story number {i} about the rain.", max_tokens=25 + 9 * i)
+             for i in range(3)]
+    reference = run(off, first + later)
+    before = figures(itself)
+    held, padded = [], []
+    three, go = threading.Event(), threading.Event()
+    real_settle, real_roll = drafting.DraftRows.settle, drafting.roll_into_padding
+
+    def settle(self, kept):
+        batch = itself.engine._batches[itself.loaded.key]
+        held.append((self.nbytes, batch.owned_nbytes()))
+        out = real_settle(self, kept)
+        if len(self.fed) == 4 and not three.is_set():
+            three.set()
+            go.wait(30)  # (the next step waits for the later rows to be queued)
+        return out
+
+    def roll(caches, padding):
+        padded.append(sorted(set(padding)))
+        return real_roll(caches, padding)
+
+    monkeypatch.setattr(drafting.DraftRows, "settle", settle)
+    monkeypatch.setattr(drafting, "roll_into_padding", roll)
+    channels = [itself.submit(body) for body in first]
+    assert three.wait(60), "no drafting steps with the first rows"
+    for body in later:  # (they join a batch that is decoding)
+        channels.append(itself.submit(body))
+    time.sleep(0.05)
+    go.set()
+    got = [c.result()[0] for c in channels]
+    assert got == [t for t, _, _ in reference]
+    proposed, accepted, steps = (a - b for a, b in zip(figures(itself), before))
+    assert proposed > 200 and accepted >= 0.97 * proposed, (proposed, accepted)
+    assert (accepted + steps) / steps >= 3.5, (accepted, steps)
+    # (Rows fed different counts in one call, and rolled: other than the
+    # never-fed row's padding, some of a row that joined late.)
+    assert len(padded) > 10 and any(len(p) > 2 for p in padded), padded[:20]
+    assert held and all(0 < draft < owned for draft, owned in held)
+
+
+def test_a_client_gone_mid_draft_leaves_the_others_exact(runners, monkeypatch):
+    """A row cancelled between drafting steps leaves the draft's KV with
+    the batch's (filter): the rows that stay keep being drafted for
+    exactly (their proposals still kept) and write what they would."""
+    off, itself, _ = runners
+    checked_always(monkeypatch)
+    bodies = [chat(f"Go on and on {i}.", max_tokens=60) for i in range(3)]
+    reference = run(off, bodies)
+    release, seen = threading.Event(), []
+    real_settle = drafting.DraftRows.settle
+
+    def settle(self, kept):
+        out = real_settle(self, kept)
+        if len(self.fed) == 3 and not seen:
+            seen.append(True)
+            release.wait(30)  # (the next step waits for the cancel)
+        return out
+
+    monkeypatch.setattr(drafting.DraftRows, "settle", settle)
+    before = figures(itself)
+    channels = [itself.submit(b) for b in bodies]
+    deadline = time.monotonic() + 60
+    while not seen:
+        assert time.monotonic() < deadline, "no drafting step with three rows"
+        time.sleep(0.001)
+    channels[1].cancel()
+    release.set()
+    channels[1].cancel_and_drain()
+    for i in (0, 2):
+        assert channels[i].result()[0] == reference[i][0]
+    proposed, accepted, _ = (a - b for a, b in zip(figures(itself), before))
+    assert accepted >= 0.95 * proposed > 0
+
+
+def test_requests_that_leave_the_batch_run_without_the_draft(runners):
+    """A seed with XTC still takes the sequential path: on a model whose
+    draft proposes in the batch it runs without the draft (the stored
+    entries are the model's KV alone), and its text is the one without a
+    draft."""
+    off, itself, _ = runners
+    body = chat("A sequential one.", max_tokens=12, **SEQUENTIAL)
+    served = itself.sequential
+    tokens = itself.run(body)[0]
+    assert itself.sequential == served + 1 and tokens == off.run(body)[0]
+    again, _, cached = itself.run(body)
+    assert cached > 0 and again == tokens
+
+
+def test_sampled_rows_keep_their_distribution_with_a_draft(fixture_path, monkeypatch):
+    """At temperature 1 (top_k 4) the first two tokens, the second proposed
+    by a draft that is another model (its argmax: kept sometimes), are
+    distributed as without a draft (chi-square of the two tables, 480
+    requests each)."""
+    model = fixture_path("qwen3")
+    body = chat("Pick a word.", max_tokens=2, temperature=1.0, top_k=4)
+    counts = {}
+    for name, argv in (("off", []), ("on", draft_argv(fixture_path("llama"), 1))):
+        runner = EngineRunner(model, argv=argv)
+        try:
+            if name == "on":
+                checked_always(monkeypatch)
+            mx.random.seed(11)
+            seen = Counter()
+            before = figures(runner)
+            for _ in range(0, 480, 8):
+                for tokens, _, _ in run(runner, [dict(body) for _ in range(8)]):
+                    seen[tuple(tokens)] += 1
+            counts[name] = seen
+            if name == "on":
+                proposed, accepted, _ = (a - b for a, b in zip(figures(runner), before))
+                assert proposed > 100 and 0 < accepted < proposed, (proposed, accepted)
+        finally:
+            monkeypatch.undo()
+            runner.close()
+    keys = sorted(set(counts["off"]) | set(counts["on"]))
+    table = np.array([[counts[name][k] for k in keys] for name in ("off", "on")])
+    assert len(keys) >= 4, table
+    assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
+
+
+def test_a_draft_that_cannot_propose_here_keeps_the_sequential_path(fixture_path):
+    """A hybrid model's draft (its recurrent state is not rolled back here):
+    the model's requests take upstream's sequential path, as before."""
+    model = fixture_path("qwen3")
+    runner = EngineRunner(model, argv=draft_argv(fixture_path("qwen3_5")))
+    try:
+        assert not runner.engine.facts.drafts_in_batch(runner.loaded)
+        served = runner.sequential
+        assert len(runner.run(chat("Alone, then.", max_tokens=4))[0]) == 4
+        assert runner.sequential == served + 1
+    finally:
+        runner.close()
+
+
+def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, monkeypatch):
+    """DraftRows alone, over random steps: rows proposing or not, kept
+    counts at random, tokens gained between drafting steps (plain steps),
+    rows catching up a few tokens a step (CATCH_UP_MAX 3), rows leaving
+    and joining. After every step each row's draft KV is, to float
+    rounding, a fresh prefill of the first `fed` tokens of that row."""
+    import random
+
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(fixture_path("qwen3")))
+    monkeypatch.setattr(drafting, "CATCH_UP_MAX", 3)
+    rng = random.Random(3)
+    draft = drafting.DraftRows(model, prefill_step_size=5, cost=speculation.DraftCost())
+    rows = [[rng.randrange(500) for _ in range(n)] for n in (7, 12, 3)]
+    proposing = [True, True, False]
+    draft.extend(rows, proposing)
+
+    def fresh(tokens):
+        cache = make_prompt_cache(model)
+        if tokens:
+            model(mx.array(tokens)[None], cache=cache)
+        return cache
+
+    caught_up = 0
+    for step in range(40):
+        pending = [rng.randrange(500) for _ in rows]
+        lengths = [rng.choice([1, 2, 4]) if p else 0 for p in proposing]
+        proposals = draft.propose(rows, mx.array(pending, dtype=mx.uint32), lengths)
+        caught_up += sum(map(bool, proposals))
+        kept = [rng.randint(0, len(p)) for p in proposals]
+        draft.settle(kept)
+        for i in range(len(rows)):
+            rows[i] = rows[i] + [pending[i]] + proposals[i][:kept[i]]
+            if rng.random() < 0.3:  # (plain steps since)
+                rows[i] += [rng.randrange(500) for _ in range(rng.randint(1, 4))]
+        if step == 15:  # the row that never proposes leaves, one joins
+            keep = [0, 1]
+            draft.filter(keep)
+            rows, proposing = [rows[i] for i in keep], [proposing[i] for i in keep]
+            rows.append([rng.randrange(500) for _ in range(9)])
+            proposing.append(True)
+            draft.extend(rows[-1:], [True])
+        for i, row in enumerate(rows):
+            fed = draft.fed[i]
+            assert fed <= len(row)
+            want = fresh(row[:fed])
+            got = [c.extract(i) for c in draft.cache]
+            for w, g in zip(want, got):
+                assert g.offset == fed, (step, i, g.offset, fed)
+                if fed:
+                    np.testing.assert_allclose(np.array(g.keys[..., :fed, :]),
+                                               np.array(w.keys[..., :fed, :]), atol=1e-4)
+                    np.testing.assert_allclose(np.array(g.values[..., :fed, :]),
+                                               np.array(w.values[..., :fed, :]), atol=1e-4)
+    assert caught_up > 20
