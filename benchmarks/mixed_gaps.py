@@ -91,8 +91,9 @@ def main(argv=None) -> Dict[str, Any]:
                     "plain_largest_gap", "mixed_largest_gap"):
             if key not in runs[name][0]:
                 continue
-            figures[f"{name} {key} stream ratio"] = round(
-                median([r[key] for r in runs[name]]), 2)
+            label = (f"{name} {key} (s)" if key.endswith("gap")
+                     else f"{name} {key} stream ratio")
+            figures[label] = round(median([r[key] for r in runs[name]]), 3)
     print_figures(figures, args.json)
     return figures
 

@@ -338,9 +338,11 @@ class _Batch:
         figures = speculation.summary(lookup)
         if figures is not None:
             counters = self.host.counters
-            counters.lookup_proposed += figures["proposed"]
-            counters.lookup_accepted += figures["accepted"]
-            counters.lookup_steps += figures["verify_steps"]
+            source = "lookup" if self.draft_model is None else "draft"
+            for name, figure in (("proposed", "proposed"), ("accepted", "accepted"),
+                                 ("steps", "verify_steps")):
+                counter = f"{source}_{name}"
+                setattr(counters, counter, getattr(counters, counter) + figures[figure])
             if result is not None:
                 result["ctx"].speculation = figures
 

@@ -22,8 +22,9 @@ the row did not keep stays in its draft KV.
 A row joins with its prompt run through the draft at once (`extend`, in
 chunks of --prefill-step-size): the draft's KV is not kept in the prompt
 cache, so a cached prompt still costs the draft a prefill. Rows that never
-propose (a grammar, a thinking budget, a seeded sampled row) get an empty
-draft row and are never fed. Its bytes count with the batch's (`nbytes`).
+propose (a grammar, a thinking budget, a seeded sampled row, no
+`num_draft_tokens`) have no draft row: the draft runs on the proposing rows
+alone. Its bytes count with the batch's (`nbytes`).
 """
 
 import time
@@ -51,7 +52,9 @@ def drafts_in_batch(model, draft) -> bool:
 
 
 class DraftRows:
-    """The draft model and its KV for the rows of one decode batch."""
+    """The draft model and its KV for the proposing rows of one decode
+    batch (`members`: per batch row, whether it has a draft row; the draft
+    rows are those rows, in the batch's order)."""
 
     def __init__(self, model, prefill_step_size: int, cost, vocab: Optional[int] = None):
         self.model = model
@@ -60,28 +63,37 @@ class DraftRows:
         self.vocab = vocab
         self.prefill_step_size = max(1, prefill_step_size)
         self.cache: Optional[List[BatchKVCache]] = None
-        self.fed: List[int] = []  # per row: its tokens in the draft KV
+        self.members: List[bool] = []  # per batch row
+        self.fed: List[int] = []  # per draft row: its row's tokens in the draft KV
         self.cost = cost  # (a StepCost) seconds of drafting by tokens drafted
         self._drafted = 0  # tokens each row drafted in the step being checked
-        self._proposing: List[bool] = []
+        self._proposing: List[bool] = []  # per draft row, in that step
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
+
+    def row_of(self, i: int) -> Optional[int]:
+        """Batch row i's draft row (None: it has none)."""
+        return sum(self.members[:i]) if self.members[i] else None
 
     def extend(self, tokens: List[List[int]], proposes: List[bool]):
         """Rows joining the batch (at its end): each proposing row's tokens
         (those in its KV: the prompt) run through the draft."""
         rows = []
         for row, proposing in zip(tokens, proposes):
+            self.members.append(proposing)
+            if not proposing:
+                continue
             cache = make_prompt_cache(self.model)
-            if proposing:
-                for start in range(0, len(row), self.prefill_step_size):
-                    chunk = mx.array(row[start:start + self.prefill_step_size])[None]
-                    self.model(chunk, cache=cache)
-                    mx.eval([c.state for c in cache])
+            for start in range(0, len(row), self.prefill_step_size):
+                chunk = mx.array(row[start:start + self.prefill_step_size])[None]
+                self.model(chunk, cache=cache)
+                mx.eval([c.state for c in cache])
             rows.append(cache)
-            self.fed.append(len(row) if proposing else 0)
+            self.fed.append(len(row))
+        if not rows:
+            return
         joined = [BatchKVCache.merge(list(layer)) for layer in zip(*rows)]
         if self.cache is None:
             self.cache = joined
@@ -90,32 +102,48 @@ class DraftRows:
                 c.extend(j)
 
     def filter(self, keep: List[int]):
-        """Only rows `keep` stay (in that order), as the batch's filter."""
-        if not keep:
+        """Only batch rows `keep` stay (in that order), as the batch's filter."""
+        index = [self.row_of(i) for i in range(len(self.members))]
+        stays = [index[i] for i in keep if index[i] is not None]
+        self.members = [self.members[i] for i in keep]
+        if not stays:
             self.cache, self.fed = None, []
             return
         for c in self.cache:
-            c.filter(keep)
-        self.fed = [self.fed[i] for i in keep]
+            c.filter(stays)
+        self.fed = [self.fed[j] for j in stays]
 
     def propose(self, known: List[List[int]], pending: mx.array,
                 lengths: List[int]) -> List[List[int]]:
-        """Each row's proposals (lengths[i] of them, 0: none; the longest
-        drafted for every proposing row). known[i]: the row's tokens but its
-        pending one (in its KV, then carried); pending: the pending tokens
-        (an array, one per row). A row still catching up feeds the draft
-        and proposes nothing."""
-        rows = len(known)
-        if self.cache is None or len(self.fed) != rows:
-            raise RuntimeError(f"draft rows {len(self.fed)} for a batch of {rows}")
-        tic = time.perf_counter()
+        """Each batch row's proposals (lengths[i] of them, 0: none; the
+        longest drafted for every proposing row). known[i]: the row's tokens
+        but its pending one (in its KV, then carried); pending: the pending
+        tokens (an array, one per batch row). A row still catching up feeds
+        the draft and proposes nothing."""
+        if len(known) != len(self.members):
+            raise RuntimeError(f"draft members {len(self.members)} for a batch of {len(known)}")
+        index = [i for i, member in enumerate(self.members) if member]
+        self._drafted, self._proposing = 0, [False] * len(index)
+        none = [[] for _ in known]
+        if not index:
+            return none
+        if len(index) < len(known):
+            pending = pending[mx.array(index)]
+        drafts = self._draft([known[i] for i in index], pending, [lengths[i] for i in index])
+        for i, d in zip(index, drafts):
+            none[i] = d
+        return none
+
+    def _draft(self, known, pending, lengths) -> List[List[int]]:
+        """propose(), over the draft rows."""
+        tic, rows = time.perf_counter(), len(known)
         feeds, drafting = [], []
         for i in range(rows):
             unseen = len(known[i]) + 1 - self.fed[i]
             feed = min(unseen, CATCH_UP_MAX) if lengths[i] else 0
             feeds.append(feed)
             drafting.append(feed > 0 and feed == unseen)
-        self._drafted, self._proposing = 0, drafting
+        self._proposing = drafting
         if not any(feeds):
             return [[] for _ in range(rows)]
         width = max(n for n, d in zip(lengths, drafting) if d) if any(drafting) else 0
@@ -155,16 +183,16 @@ class DraftRows:
         return mx.argmax(logits[:, :self.vocab] if self.vocab else logits, axis=-1)
 
     def settle(self, kept: List[int]):
-        """After the check: kept[i] of row i's proposals kept. The drafted
-        positions (inputs: all drafted tokens but the last) past the fewest
-        any row kept are trimmed from every row."""
+        """After the check: kept[i] of batch row i's proposals kept. The
+        drafted positions (inputs: all drafted tokens but the last) past
+        the fewest any draft row kept are trimmed from every draft row."""
         fed_drafts = self._drafted - 1  # (the last drafted token was not fed)
+        self._drafted = 0
         if fed_drafts <= 0 or not self.cache:
-            self._drafted = 0
             return
+        kept = [k for k, member in zip(kept, self.members) if member]
         valid = min(min(k, fed_drafts) if proposing else 0
                     for k, proposing in zip(kept, self._proposing))
         for c in self.cache:
             c.trim(fed_drafts - valid)
         self.fed = [f + valid for f in self.fed]
-        self._drafted = 0

@@ -34,6 +34,13 @@ class EngineFigures:
                 "verify_steps": c.lookup_steps}
 
     @property
+    def draft_model(self) -> Dict[str, int]:
+        """A draft model's figures over finished requests (drafting.py)."""
+        c = self.counters
+        return {"proposed_tokens": c.draft_proposed, "accepted_tokens": c.draft_accepted,
+                "verify_steps": c.draft_steps}
+
+    @property
     def embedding_stats(self) -> Dict[str, int]:
         return {"batches": self.embeddings.batches, "inputs": self.embeddings.inputs}
 

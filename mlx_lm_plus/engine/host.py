@@ -22,6 +22,10 @@ class Counters:
     lookup_proposed: int = 0
     lookup_accepted: int = 0
     lookup_steps: int = 0
+    # The same of a draft model's proposals (drafting.py).
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    draft_steps: int = 0
     # Seconds: "model" in model steps (BatchGenerator.next, which samples
     # too), "admission" admitting requests (a plan made here when it could
     # not be made before, the store lookup, images through the vision

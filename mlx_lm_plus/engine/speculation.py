@@ -69,6 +69,10 @@ CARRY_MAX = 8  # tokens a row may carry to the next step (see _verify)
 MAX_POSITIONS = 512
 UNPAID_WAIT = 4  # steps a row waits after proposals not worth checking
 EXPLORE_EVERY = 256  # steps without a check before one is made regardless
+# How much longer than a plain step a checking step may be predicted to take
+# while some row in it proposes nothing (it gains nothing from the check:
+# its next token only comes later).
+MAX_STEP_GROWTH = 1.5
 
 
 def proposes_for(args, budget, constraint) -> bool:
@@ -134,19 +138,25 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
     its proposals (what it carries and its pending token) and writes one
     token more than it keeps; 0 when checking none is best. With a draft
     model, `drafting` is what drafting a width costs (by width; nothing
-    until seen, so that it gets tried)."""
+    until seen, so that it gets tried). Where a row proposes nothing, no
+    width whose step is predicted to take over MAX_STEP_GROWTH times a
+    plain step's: that row's tokens are not held back for the others'."""
     count = len(proposals)
     # (Each row's expected kept tokens for every width, once: O(rows x k).)
     kept = [np.cumsum([0.0] + r.rates(len(p))) if r is not None and p else np.zeros(1)
             for r, p in zip(rows, proposals)]
     widest = min(max(map(len, proposals)), MAX_POSITIONS // count - max(fed))
     best, best_rate = 0, -1.0
+    plain = cost.predict(count * max(fed))
+    bounded = not all(proposals)
     for width in range(max(0, widest) + 1):
         tokens = count + sum(k[min(width, len(k) - 1)] for k in kept)
         feeds = max(f + min(width, len(p)) for f, p in zip(fed, proposals))
         seconds = cost.predict(count * feeds)
         if width and drafting is not None and drafting.seen:
             seconds += drafting.predict(width)
+        if width and bounded and seconds > MAX_STEP_GROWTH * plain:
+            break
         rate = tokens / seconds
         if rate > best_rate:
             best, best_rate = width, rate

@@ -139,17 +139,19 @@ class _LiveCollector:
             (GaugeMetricFamily, "requests_active",
              "Requests in the batch or being served sequentially", engine.active_requests),
         ]
-        lookup = getattr(engine, "prompt_lookup", None)
-        if lookup is not None:
-            single += [
-                (CounterMetricFamily, "prompt_lookup_proposed_tokens",
-                 "Tokens proposed by prompt lookup (--prompt-lookup-tokens), finished requests",
-                 lookup["proposed_tokens"]),
-                (CounterMetricFamily, "prompt_lookup_accepted_tokens",
-                 "Proposed tokens the model kept", lookup["accepted_tokens"]),
-                (CounterMetricFamily, "prompt_lookup_verify_steps",
-                 "Batch steps that checked a request's proposals", lookup["verify_steps"]),
-            ]
+        for source, what in (("prompt_lookup", "prompt lookup (--prompt-lookup-tokens)"),
+                             ("draft_model", "a draft model (--draft-model)")):
+            figures = getattr(engine, source, None)
+            if figures is not None:
+                single += [
+                    (CounterMetricFamily, f"{source}_proposed_tokens",
+                     f"Tokens proposed by {what}, finished requests",
+                     figures["proposed_tokens"]),
+                    (CounterMetricFamily, f"{source}_accepted_tokens",
+                     "Proposed tokens the model kept", figures["accepted_tokens"]),
+                    (CounterMetricFamily, f"{source}_verify_steps",
+                     "Batch steps that checked a request's proposals", figures["verify_steps"]),
+                ]
         if m.connections is not None:
             single += [
                 (GaugeMetricFamily, "http_connections", "Open HTTP connections",

@@ -278,6 +278,7 @@ class Server(Replies, Intake, Completions, Embeddings):
                 "generated_tokens": getattr(engine, "tokens_out", None),
                 # --prompt-lookup-tokens: proposed, kept, the steps that checked.
                 "prompt_lookup": getattr(engine, "prompt_lookup", None),
+                "draft_model": getattr(engine, "draft_model", None),
                 # /v1/embeddings and /v1/rerank: forward passes and the inputs they ran.
                 "embeddings": getattr(engine, "embedding_stats", None),
             },

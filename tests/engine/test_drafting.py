@@ -52,8 +52,11 @@ def runners(fixture_path):
 
 
 def figures(runner):
-    c = runner.engine.counters
-    return c.lookup_proposed, c.lookup_accepted, c.lookup_steps
+    """The draft's figures (/v1/stats' and /metrics' draft_model), of
+    finished requests; prompt lookup's stay 0."""
+    assert runner.engine.prompt_lookup["proposed_tokens"] == 0
+    f = runner.engine.draft_model
+    return f["proposed_tokens"], f["accepted_tokens"], f["verify_steps"]
 
 
 @pytest.mark.parametrize("draft,together,drop", [
@@ -87,7 +90,7 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     """Rows arriving while others decode (their prompts run through the
     draft as they join, one step behind the others' feeds) beside a row
     that never proposes (a schema: never fed, padded in every draft call)
-    and rows leaving at different times: with the model as its own draft,
+    (it has no draft row) and rows leaving at different times: with the model as its own draft,
     proposals are its argmax wherever the draft's KV holds exactly each
     row's tokens, so nearly all are kept; a position lost, repeated or left
     in the draft's KV (catching up, rows padded to one width, trimming
@@ -109,7 +112,7 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
         batch = itself.engine._batches[itself.loaded.key]
         held.append((self.nbytes, batch.owned_nbytes()))
         out = real_settle(self, kept)
-        if len(self.fed) == 4 and not three.is_set():
+        if len(self.members) == 4 and not three.is_set():
             three.set()
             go.wait(30)  # (the next step waits for the later rows to be queued)
         return out
@@ -131,9 +134,9 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     proposed, accepted, steps = (a - b for a, b in zip(figures(itself), before))
     assert proposed > 200 and accepted >= 0.97 * proposed, (proposed, accepted)
     assert (accepted + steps) / steps >= 3.5, (accepted, steps)
-    # (Rows fed different counts in one call, and rolled: other than the
-    # never-fed row's padding, some of a row that joined late.)
-    assert len(padded) > 10 and any(len(p) > 2 for p in padded), padded[:20]
+    # (Rows fed different counts in one call, and rolled: the rows that
+    # joined late, one token behind the others.)
+    assert padded
     assert held and all(0 < draft < owned for draft, owned in held)
 
 
@@ -276,10 +279,14 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
             proposing.append(True)
             draft.extend(rows[-1:], [True])
         for i, row in enumerate(rows):
-            fed = draft.fed[i]
+            j = draft.row_of(i)
+            assert (j is not None) == proposing[i]
+            if j is None:
+                continue
+            fed = draft.fed[j]
             assert fed <= len(row)
             want = fresh(row[:fed])
-            got = [c.extract(i) for c in draft.cache]
+            got = [c.extract(j) for c in draft.cache]
             for w, g in zip(want, got):
                 assert g.offset == fed, (step, i, g.offset, fed)
                 if fed:

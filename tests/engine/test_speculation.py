@@ -441,6 +441,23 @@ def test_proposals_are_checked_only_where_they_pay():
     assert speculation.widest_paying(rows(0.2), proposals, fed, gpu) == 8
     fresh = speculation.StepCost()  # (nothing seen: proposals get tried)
     assert speculation.widest_paying(rows(0.5), proposals, fed, fresh) == 8
+    # Positions cheap but not free (a + b P, 0.1 + 0.004 P): all rows
+    # proposing, the widest; one row proposing nothing, no step over
+    # MAX_STEP_GROWTH times a plain one (1.5 x 0.116 s: 4 rows of 1 + 3,
+    # 0.164 s, not of 1 + 4, 0.18 s).
+    cheap = speculation.StepCost()
+    for positions in (4, 12, 36):
+        cheap.observe(positions, 0.1 + 0.004 * positions)
+    assert speculation.widest_paying(rows(0.95), proposals, fed, cheap) == 8
+    assert speculation.MAX_STEP_GROWTH == 1.5
+    idle = [[1] * 8] * 3 + [[]]
+    assert speculation.widest_paying(rows(0.95), idle, fed, cheap) == 3
+    # Drafting's own cost (a draft model): where drafting 8 costs 0.5 s,
+    # fewer are drafted.
+    drafting = speculation.DraftCost()
+    for width in (1, 4, 8):
+        drafting.observe(width, 0.02 + 0.06 * width)
+    assert 0 < speculation.widest_paying(rows(0.95), proposals, fed, cheap, drafting) < 8
 
 
 def test_its_figures_reach_stats_metrics_and_the_request_record(pair, monkeypatch):
