@@ -110,13 +110,18 @@ class StepCost:
     def seen(self) -> bool:
         return self._sums[0] > 0
 
+    @property
+    def spread(self) -> bool:
+        """Whether steps of two sizes were seen (a slope known)."""
+        w, p, pp, _, _ = self._sums
+        return w > 0 and w * pp - p * p > 1e-9 * max(1.0, w * pp)
+
     def slope(self) -> float:
         """Seconds per position (0 until steps of two sizes were seen)."""
-        w, p, pp, t, pt = self._sums
-        spread = w * pp - p * p
-        if w == 0 or spread <= 1e-9 * max(1.0, w * pp):
+        if not self.spread:
             return 0.0
-        return max(0.0, (w * pt - p * t) / spread)
+        w, p, pp, t, pt = self._sums
+        return max(0.0, (w * pt - p * t) / (w * pp - p * p))
 
     def predict(self, positions: int) -> float:
         w, p, _, t, _ = self._sums
@@ -132,15 +137,18 @@ class DraftCost(StepCost):
 
 
 def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[int],
-                  cost: StepCost, drafting: Optional[StepCost] = None) -> int:
+                  cost: StepCost, drafting: Optional[StepCost] = None,
+                  probe: bool = False) -> int:
     """How many proposals a row may check this step (each row's own, cut to
     that), for the most tokens a second: row i feeds fed[i] tokens before
     its proposals (what it carries and its pending token) and writes one
     token more than it keeps; 0 when checking none is best. With a draft
     model, `drafting` is what drafting a width costs (by width; nothing
-    until seen, so that it gets tried). Where a row proposes nothing, no
-    width whose step is predicted to take over MAX_STEP_GROWTH times a
-    plain step's: that row's tokens are not held back for the others'."""
+    until seen, so that it gets tried). A probe takes every width as
+    costing the same. Where a row proposes nothing, no width whose step is
+    predicted to take over MAX_STEP_GROWTH times a plain step's (that
+    row's tokens are not held back for the others'), and no more than one
+    while the costs are not known (a narrow check first, to learn them)."""
     count = len(proposals)
     # (Each row's expected kept tokens for every width, once: O(rows x k).)
     kept = [np.cumsum([0.0] + r.rates(len(p))) if r is not None and p else np.zeros(1)
@@ -149,15 +157,17 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
     best, best_rate = 0, -1.0
     plain = cost.predict(count * max(fed))
     bounded = not all(proposals)
+    known = cost.spread and (drafting is None or drafting.seen)
     for width in range(max(0, widest) + 1):
         tokens = count + sum(k[min(width, len(k) - 1)] for k in kept)
         feeds = max(f + min(width, len(p)) for f, p in zip(fed, proposals))
         seconds = cost.predict(count * feeds)
         if width and drafting is not None and drafting.seen:
             seconds += drafting.predict(width)
-        if width and bounded and seconds > MAX_STEP_GROWTH * plain:
+        if width and bounded and (seconds > MAX_STEP_GROWTH * plain
+                                  or (width > 1 and not known)):
             break
-        rate = tokens / seconds
+        rate = tokens / (1.0 if probe else seconds)
         if rate > best_rate:
             best, best_rate = width, rate
     return best
@@ -201,11 +211,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if any(proposals):
             fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
             # (Every EXPLORE_EVERY steps without a check, one is made as if
-            # checking cost nothing: costs and rates seen long ago, or one
-            # slow step, would otherwise stop checks for good.)
-            probe = self.unchecked >= EXPLORE_EVERY
-            width = widest_paying(lookups, proposals, fed, StepCost() if probe else self.cost,
-                                  None if self.draft is None or probe else self.draft.cost)
+            # checking cost nothing, within the bound a row proposing nothing
+            # sets: costs and rates seen long ago, or one slow step, would
+            # otherwise stop checks for good.)
+            width = widest_paying(lookups, proposals, fed, self.cost,
+                                  None if self.draft is None else self.draft.cost,
+                                  probe=self.unchecked >= EXPLORE_EVERY)
             if width == 0:  # (not worth it now: look again in a few steps)
                 for lookup, p in zip(lookups, proposals):
                     if p:

@@ -452,12 +452,22 @@ def test_proposals_are_checked_only_where_they_pay():
     assert speculation.MAX_STEP_GROWTH == 1.5
     idle = [[1] * 8] * 3 + [[]]
     assert speculation.widest_paying(rows(0.95), idle, fed, cheap) == 3
+    # ... a probe too (its rate as if free, its bound the costs seen); and
+    # where no slope is known yet, one (the narrowest check, to learn it).
+    assert speculation.widest_paying(rows(0.2), idle, fed, cheap, probe=True) == 3
+    assert speculation.widest_paying(rows(0.95), idle, fed, fresh) == 1
+    flat_so_far = speculation.StepCost()
+    flat_so_far.observe(4, 0.1)
+    assert speculation.widest_paying(rows(0.95), idle, fed, flat_so_far) == 1
     # Drafting's own cost (a draft model): where drafting 8 costs 0.5 s,
     # fewer are drafted.
     drafting = speculation.DraftCost()
     for width in (1, 4, 8):
         drafting.observe(width, 0.02 + 0.06 * width)
     assert 0 < speculation.widest_paying(rows(0.95), proposals, fed, cheap, drafting) < 8
+    # (and drafting not seen yet, beside a row proposing nothing: one)
+    assert speculation.widest_paying(rows(0.95), idle, fed, cheap,
+                                     speculation.DraftCost()) == 1
 
 
 def test_its_figures_reach_stats_metrics_and_the_request_record(pair, monkeypatch):
