@@ -85,14 +85,14 @@ class _Batch:
             **kv,
         )
         # Speculation (speculation.py), from the draft model or by prompt
-        # lookup: where the KV is plain and one process decides (under
-        # mx.distributed every rank would have to draw alike), on text
-        # models (a vision model's positions are its own). A model with a
-        # draft is batched only where its draft can propose here
-        # (provider.py: drafting.drafts_in_batch).
+        # lookup: where the KV is plain or the recurrent layers tapped
+        # (rollback.py), and one process decides (under mx.distributed every
+        # rank would have to draw alike), on text models (a vision model's
+        # positions are its own). A model with a draft is batched only where
+        # its draft can propose here (facts.drafts_in_batch).
         self.lookups = None
         if ((args.prompt_lookup_tokens or self.draft_model is not None)
-                and generator is BatchGenerator
+                and generator in (BatchGenerator, taps.TappingBatchGenerator)
                 and not self.host.group.is_distributed and self.text_only):
             self.lookups = speculation.install(self.generator, self.draft_model,
                                                args.prefill_step_size)

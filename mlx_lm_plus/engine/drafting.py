@@ -31,7 +31,7 @@ import time
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from mlx_lm_plus.engine.batch_kv import roll_into_padding
 
@@ -40,15 +40,18 @@ from mlx_lm_plus.engine.batch_kv import roll_into_padding
 CATCH_UP_MAX = 64
 
 
-def drafts_in_batch(model, draft) -> bool:
-    """Whether `draft` can propose for `model`'s batch: both models' layers
-    plain KV (rolled back per row by trimming and rolling)."""
-    def plain(m):
+def drafts_in_batch(model, draft, tapped: bool) -> bool:
+    """Whether `draft` can propose for `model`'s batch: the draft's layers
+    plain KV (rolled back per row by trimming and rolling), the model's too
+    or, where its recurrent mixers are `tapped` (taps.py), recurrent
+    (rollback.py)."""
+    def kinds(m):
         try:
-            return all(type(c) is KVCache for c in make_prompt_cache(m))
+            return {type(c) for c in make_prompt_cache(m)}
         except Exception:
-            return False
-    return plain(model) and plain(draft)
+            return {None}
+    return kinds(draft) == {KVCache} and kinds(model) in (
+        {KVCache}, {KVCache, ArraysCache}, {ArraysCache}) and (tapped or kinds(model) == {KVCache})
 
 
 class DraftRows:

@@ -5,6 +5,7 @@ rank judges its own layers)."""
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_plus.cache.layers import is_plain_kv
+from mlx_lm_plus.engine import taps
 from mlx_lm_plus.engine.drafting import drafts_in_batch
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
 from mlx_lm_plus.engine.sampling import batches_seeded
@@ -45,13 +46,16 @@ class ModelFacts:
 
     def drafts_in_batch(self, lm) -> bool:
         """Whether `lm`'s draft model proposes inside its batch
-        (speculation.py, drafting.py): plain KV, a text model, no --kv-bits,
-        the GenerationBatch it was written for, one process. Else its
-        requests take the sequential path, as upstream's do."""
+        (speculation.py, drafting.py): plain KV or recurrent layers its
+        checking steps tap (taps.install_for_checking), a text
+        model, no --kv-bits, the GenerationBatch it was written for, one
+        process. Else its requests take the sequential path, as upstream's
+        do."""
         return lm.draft_model is not None and self._per_model(lm, "drafts in batch", lambda: (
             lm.processor is None and self.cli_args.kv_bits is None
             and not self.group.is_distributed and generation_batch_as_written()
-            and drafts_in_batch(lm.model, lm.draft_model)))
+            and drafts_in_batch(lm.model, lm.draft_model,
+                                tapped=taps.install_for_checking(lm.model) is not None)))
 
     def is_batchable(self, lm, request, args) -> bool:
         """Whether a request joins its model's batch (else the sequential

@@ -52,8 +52,9 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
+from mlx_lm_plus.engine import rollback, taps
 from mlx_lm_plus.engine.batch_kv import roll_into_padding
 from mlx_lm_plus.engine.drafting import DraftRows
 from mlx_lm_plus.engine.lookup import RowLookup
@@ -173,10 +174,13 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
     return best
 
 
-def speculates(prompt_cache) -> bool:
+def speculates(prompt_cache, recorder=None) -> bool:
     """Whether a batch's layers can be rolled back per row here: plain
-    BatchKVCache only."""
-    return bool(prompt_cache) and all(type(c) is BatchKVCache for c in prompt_cache)
+    BatchKVCache, and recurrent layers (ArraysCache) where the model's
+    mixers are tapped (rollback.py; `recorder`, taps.install)."""
+    return bool(prompt_cache) and all(
+        type(c) is BatchKVCache or (type(c) is ArraysCache and recorder is not None)
+        for c in prompt_cache)
 
 
 class SpeculativeGenerationBatch(GenerationBatch):
@@ -193,7 +197,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     def next(self):
         if not self.uids or (not self.carried and (
-                not self.lookups or not speculates(self.prompt_cache))):
+                not self.lookups or not speculates(self.prompt_cache, self.recorder))):
             return super().next()
         tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
@@ -208,8 +212,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         else:  # (their lengths: the draft drafts once the width is chosen)
             proposals = [[0] * min(lookup.length, room) if look else []
                          for lookup, look, room in zip(lookups, looking, rooms)]
+        fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
+        states_cap = rollback.widest(self.prompt_cache)
+        if states_cap is not None:  # (recurrent states held per position)
+            proposals = [p[:max(0, states_cap - max(fed))] for p in proposals]
         if any(proposals):
-            fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
             # (Every EXPLORE_EVERY steps without a check, one is made as if
             # checking cost nothing, within the bound a row proposing nothing
             # sets: costs and rates seen long ago, or one slow step, would
@@ -276,7 +283,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
         known = mx.array([f + [0] * (width - len(f)) for f in fed], dtype=mx.uint32)
         is_pending = mx.arange(width)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, self._next_tokens[:, None].astype(mx.uint32), known)
-        logits = self.model(inputs, cache=self.prompt_cache)
+        taps = None
+        if rollback.recurrent_layers(self.prompt_cache):
+            taps = rollback.StateTaps(self.recorder, self.prompt_cache, width)
+            taps.open()
+        try:
+            logits = self.model(inputs, cache=self.prompt_cache)
+        finally:
+            if taps is not None:
+                taps.close()
         pending = self._next_tokens.tolist()
         at_pending = mx.array(at)[:, None, None]
         pending_logits = mx.take_along_axis(logits, at_pending, axis=1)[:, 0, :]
@@ -360,31 +375,39 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # rejected more has the rest rolled into its left padding (masked,
         # overwritten later: a copy of the batch's KV, so only past
         # CARRY_MAX).
+        # (Recurrent layers: each row's state is the one after the positions
+        # its KV keeps, from the taps; rollback.py.)
         rejected = [width - len(v) for v in valid]
         drop = self._drop(rejected)
         rolled = [max(0, r - drop) for r in rejected]
-        for c in self.prompt_cache:
+        kv = self._kv_layers()
+        for c in kv:
             if drop:
                 c.trim(drop)
-        if any(rolled):
+        if any(rolled) and kv:
             tic = time.perf_counter()
-            held = rows * self.prompt_cache[0].size()
-            roll_into_padding(self.prompt_cache, rolled)
-            mx.eval([(c.keys, c.values) for c in self.prompt_cache])
+            held = rows * kv[0].size()
+            roll_into_padding(kv, rolled)
+            mx.eval([(c.keys, c.values) for c in kv])
             self.roll_cost.observe(held, time.perf_counter() - tic)
         self.carried = {}
+        stays = [len(tokens) - max(0, drop - rejected[i]) for i, tokens in enumerate(valid)]
         for i, tokens in enumerate(valid):
-            stays = len(tokens) - max(0, drop - rejected[i])
-            self.tokens[i].extend(tokens[:stays])
-            if stays < len(tokens):
-                self.carried[self.uids[i]] = tokens[stays:]
+            self.tokens[i].extend(tokens[:stays[i]])
+            if stays[i] < len(tokens):
+                self.carried[self.uids[i]] = tokens[stays[i]:]
+        if taps is not None:
+            taps.restore(stays)
         self._next_tokens = mx.array([int(t.item()) if isinstance(t, mx.array) else int(t)
                                       for t in next_tokens], dtype=mx.uint32)
         self._next_logprobs = next_logprobs
         self._current_tokens = mx.array([e[0][-1] for e in emitted], dtype=mx.uint32)
         if self.draft is not None:  # (before rows that finished leave)
             self.draft.settle(kept_by_row)
-        return self._finish(emitted)
+        return self._finish(emitted, taps, stays)
+
+    def _kv_layers(self) -> list:
+        return [c for c in self.prompt_cache if not isinstance(c, ArraysCache)]
 
     def _drop(self, rejected: List[int]) -> int:
         """Positions to trim from every row: as many as the row that kept
@@ -398,11 +421,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # and proposals next step, and carrying again would only grow that.
         # Nor where next step's positions, with rows that may join, could
         # pass MAX_POSITIONS.)
+        # (Nor without KV layers, a Mamba: no positions, nothing to roll.)
         if (most == least or most - least > CARRY_MAX or self.carried
-                or 4 * rows * (most - least + 1) > MAX_POSITIONS):
+                or 4 * rows * (most - least + 1) > MAX_POSITIONS or not self._kv_layers()):
             return least
         carry = self.cost.slope() * rows * (most - least)
-        roll = self.roll_cost.predict(rows * self.prompt_cache[0].size()) \
+        roll = self.roll_cost.predict(rows * self._kv_layers()[0].size()) \
             if self.roll_cost.seen else 0.0
         return most if carry < roll else least
 
@@ -439,12 +463,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 return j, check["residual"].tolist()[j]
         return len(proposal), check["bonus"].item()
 
-    def _finish(self, emitted):
+    def _finish(self, emitted, taps=None, stays=None):
         """Upstream's next() for several tokens a row: count, stop, finish.
         A row that stops before its last token of the step hands back its
         KV without the tokens after the stop (those carried are dropped;
-        the rest trimmed); one whose stop token was carried hands back the
-        KV it has (shorter: its stored entry covers less)."""
+        the rest trimmed; a recurrent layer's state the one at the stop,
+        `taps` at `stays[i]` less those); one whose stop token was carried
+        hands back the KV it has (shorter: its stored entry covers less)."""
         keep, responses = [], []
         for i, (tokens, logprobs) in enumerate(emitted):
             finish_reason, n = None, 0
@@ -469,8 +494,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
             cache = self.extract_cache(i)
             if extra:
                 del self.tokens[i][-extra:]
+                recurrent = 0
                 for c in cache:
-                    c.trim(extra)
+                    if isinstance(c, ArraysCache):  # (its state at the stop)
+                        c.cache = taps.row_at(recurrent, i, stays[i] - extra)
+                        recurrent += 1
+                    else:
+                        c.trim(extra)
             responses.append(self.Response(self.uids[i], tokens[n - 1], logprobs[n - 1],
                                            finish_reason, cache, self.tokens[i]))
         if len(keep) < len(self.uids):
@@ -509,6 +539,8 @@ def install(generator, draft_model=None, prefill_step_size: int = 2048
     batch.lookups, batch.carried = {}, {}
     batch.cost, batch.roll_cost = StepCost(), StepCost()
     batch.unchecked, batch.after_check = 0, False
+    # (Hybrid models: their recurrent mixers tapped; rollback.py.)
+    batch.recorder = taps.install_for_checking(generator.model)
     batch.draft = None if draft_model is None else DraftRows(
         draft_model, prefill_step_size, DraftCost(),
         getattr(getattr(generator.model, "args", None), "vocab_size", None))

@@ -38,7 +38,9 @@ class Recorder:
     `cuts` (position in the call -> the rows that want their states there;
     None while no call is tapped) and `states` ((id of the layer's cache,
     position, row) -> that row's arrays after the piece ending there, copied
-    out of the batch's: a view would keep every row's state alive) and
+    out of the batch's: a view would keep every row's state alive; row None:
+    the whole batch's arrays, as they are, for a checking step of
+    speculation, rollback.py) and
     `sources` (the batch's arrays they were copied from, held until the
     copies are evaluated: a copy whose source nothing else holds any more
     takes over the source's buffer, every row of it, instead of copying)."""
@@ -102,9 +104,9 @@ def _in_pieces(module, call, signature, recorder: Recorder, args, kwargs):
         outputs.append(call(**piece))
         rows = recorder.cuts.get(stop, ())
         for row in rows:
-            recorder.states[(id(cache), stop, row)] = [
+            recorder.states[(id(cache), stop, row)] = list(cache.cache) if row is None else [
                 None if a is None else mx.array(a[row : row + 1]) for a in cache.cache]
-        if rows:
+        if any(row is not None for row in rows):
             recorder.sources.append(list(cache.cache))
     if lengths is not None:
         cache.lengths = lengths - length  # (as one call's advance leaves it)
@@ -170,6 +172,31 @@ def install(model) -> Optional[Recorder]:
                 del mixer.__dict__["_tap_recorder"]
             recorder = None
     object.__setattr__(model, "_tap_recorder", recorder)
+    return recorder
+
+
+def install_for_checking(model) -> Optional[Recorder]:
+    """Taps for speculation's checking steps (rollback.py), which cut each
+    recurrent mixer's part of a call at every position: one token a piece,
+    the call a plain decode step makes, so they need no probe. The prompt
+    recorder where `install` made one; else one of their own (mamba2's
+    chunked scan, whose pieces of a prompt the probe refused: its prompt
+    chunks stay whole). None: no recurrent layer, or layers of other kinds."""
+    recorder = install(model)
+    if recorder is not None:
+        return recorder
+    if hasattr(model, "_check_recorder"):
+        return model._check_recorder
+    try:
+        kinds = [type(c) for c in make_prompt_cache(model)]
+    except Exception:
+        kinds = []
+    if ArraysCache in kinds and all(k is ArraysCache or _holds_prefix(k) for k in kinds):
+        recorder = Recorder()
+        for mixer in _innermost_cache_takers(model):
+            mixer.__class__ = _tapped_class(type(mixer))
+            object.__setattr__(mixer, "_tap_recorder", recorder)
+    object.__setattr__(model, "_check_recorder", recorder)
     return recorder
 
 

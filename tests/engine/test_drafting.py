@@ -220,6 +220,28 @@ def test_sampled_rows_keep_their_distribution_with_a_draft(fixture_path, monkeyp
     assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_a_hybrid_model_drafts_in_the_batch(kind, fixture_path, monkeypatch):
+    """A hybrid model (recurrent states rolled back from taps, rollback.py)
+    with an attention draft: eight rows in the batch, rolled or carried as
+    they reject, write what they write without a draft."""
+    model = fixture_path(kind)
+    off, on = EngineRunner(model), EngineRunner(model, argv=draft_argv(fixture_path("qwen3")))
+    try:
+        checked_always(monkeypatch)
+        bodies = MIXED
+        reference = run(off, bodies)
+        got = run(on, bodies)
+        for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
+            assert tokens == want, body
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        proposed, _, steps = figures(on)
+        assert on.sequential == 0 and steps > 3 and proposed >= steps
+    finally:
+        off.close()
+        on.close()
+
+
 def test_a_draft_that_cannot_propose_here_keeps_the_sequential_path(fixture_path):
     """A hybrid model's draft (its recurrent state is not rolled back here):
     the model's requests take upstream's sequential path, as before."""

@@ -17,6 +17,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.server import Response
 
 from mlx_lm_plus.engine import speculation
@@ -109,10 +110,12 @@ def forced(monkeypatch, drop=None):
                             lambda self, r: min(r))
 
 
-@pytest.fixture(scope="module")
-def pair(fixture_path):
-    off = EngineRunner(fixture_path("qwen3"))
-    on = EngineRunner(fixture_path("qwen3"), argv=LOOKUP)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def pair(fixture_path, request):
+    """The attention fixture, and a hybrid one (Qwen3.5: GatedDeltaNet
+    layers, their states rolled back from taps, rollback.py)."""
+    off = EngineRunner(fixture_path(request.param))
+    on = EngineRunner(fixture_path(request.param), argv=LOOKUP)
     yield off, on
     off.close()
     on.close()
@@ -178,9 +181,9 @@ def test_a_row_that_stops_inside_its_kept_tokens_hands_back_only_its_own(
     carried = []
     real_finish = speculation.SpeculativeGenerationBatch._finish
 
-    def finish(self, emitted):
+    def finish(self, emitted, *rest):
         carried.append(bool(self.carried))
-        return real_finish(self, emitted)
+        return real_finish(self, emitted, *rest)
 
     monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_finish", finish)
     forced(monkeypatch, beside)
@@ -204,7 +207,16 @@ def test_a_row_that_stops_inside_its_kept_tokens_hands_back_only_its_own(
     assert key == (prompt + reference)[:len(key)] and len(key) >= len(prompt) + at + 1 - speculation.CARRY_MAX
     if not beside:
         assert key == prompt + reference
-    assert all(layer.offset == len(key) for layer in on.store.stored_cache(entry))
+    stored = on.store.stored_cache(entry)
+    assert all(layer.offset == len(key) for layer in stored if hasattr(layer, "offset"))
+    # A recurrent layer's state is the one after the key (at the stop, not
+    # after the tokens kept past it): as a prefill of the key leaves it.
+    fresh = make_prompt_cache(on.loaded.model)
+    mx.eval(on.loaded.model(mx.array(key)[None], cache=fresh))
+    for mine, theirs in zip(stored, fresh):
+        if isinstance(mine, ArraysCache):
+            for a, b in zip(mine.cache, theirs.cache):
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-3)
     if beside:
         (want, _, _), = run(off, [other])
         assert rest[0][0] == want
@@ -321,11 +333,16 @@ def test_sampled_rows_in_the_batch_keep_their_distribution(fixture_path, monkeyp
     assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
-def test_models_it_cannot_roll_back_are_served_as_without_it(kind, fixture_path, monkeypatch):
-    """Hybrid state and sliding windows are not rolled back here: offered
-    an oracle's proposals, those models check none, and write what they
-    write without them."""
+@pytest.mark.parametrize("kind,checks", [
+    ("mamba", True), ("mamba2", True), ("nemotron_h", True), ("jamba", True),
+    ("gemma3_text", False)])
+def test_recurrent_models_roll_back_their_states(kind, checks, fixture_path, monkeypatch):
+    """Recurrent layers (Mamba 1 and 2, Nemotron-H's, Jamba's beside
+    attention) have each row's state set back to the one after what it
+    kept (rollback.py; mamba2's chunked scan too: a checking step cuts it at
+    every position, one token a piece as a decode step runs it): offered an
+    oracle's proposals, they check them and write what they write without.
+    Sliding windows are not rolled back here: gemma3 checks none."""
     off, on = EngineRunner(fixture_path(kind)), EngineRunner(fixture_path(kind), argv=LOOKUP)
     try:
         bodies = [chat(" ".join(f"word {j} of line {i}." for j in range(12)), max_tokens=40)
@@ -335,8 +352,13 @@ def test_models_it_cannot_roll_back_are_served_as_without_it(kind, fixture_path,
         monkeypatch.setattr(speculation.RowLookup, "propose",
                             lambda self, *a: oracle.propose(self, *a))
         forced(monkeypatch)
-        assert [t for t, _, _ in run(on, bodies)] == [t for t, _, _ in reference]
-        assert on.engine.counters.lookup_steps == 0
+        got = run(on, bodies)
+        for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
+            assert tokens == want
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        assert (on.engine.counters.lookup_steps > 0) == checks
+        if checks:
+            assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
     finally:
         off.close()
         on.close()
@@ -375,8 +397,8 @@ def test_a_client_gone_while_its_row_carries_tokens(pair, monkeypatch):
     release = threading.Event()
     real_finish = speculation.SpeculativeGenerationBatch._finish
 
-    def finish(self, emitted):
-        out = real_finish(self, emitted)
+    def finish(self, emitted, *rest):
+        out = real_finish(self, emitted, *rest)
         if len(self.uids) == 3 and self.carried and not carrying:
             carrying.extend(sorted(self.uids).index(uid) for uid in self.carried)
             release.wait(30)  # (the next step waits for the cancel)
@@ -494,3 +516,29 @@ def test_its_figures_reach_stats_metrics_and_the_request_record(pair, monkeypatc
     steps = len(tokens) - figures["accepted"]
     assert record.tokens_per_step == len(tokens) / steps > 1
     assert record.as_dict()["tokens_per_step"] == round(len(tokens) / steps, 2)
+
+
+def test_recurrent_states_held_by_a_check_stay_in_their_budget(fixture_path, monkeypatch):
+    """A checking step holds each position's recurrent states: where even
+    two positions' would pass STATE_BUDGET_BYTES, nothing is checked (and
+    the text is the text without proposals)."""
+    from mlx_lm_plus.engine import rollback
+
+    off, on = EngineRunner(fixture_path("mamba")), EngineRunner(fixture_path("mamba"), argv=LOOKUP)
+    try:
+        bodies = [chat(f"Line {i} of a long song about the hills.", max_tokens=30)
+                  for i in range(2)]
+        reference = run(off, bodies)
+        oracle = Oracle(reference, corrupt=0.0)
+        monkeypatch.setattr(speculation.RowLookup, "propose",
+                            lambda self, *a: oracle.propose(self, *a))
+        forced(monkeypatch)
+        monkeypatch.setattr(rollback, "STATE_BUDGET_BYTES", 1)
+        assert [t for t, _, _ in run(on, bodies)] == [t for t, _, _ in reference]
+        assert on.engine.counters.lookup_steps == 0 and oracle.calls > 0
+        monkeypatch.setattr(rollback, "STATE_BUDGET_BYTES", 1 << 30)
+        assert [t for t, _, _ in run(on, bodies)] == [t for t, _, _ in reference]
+        assert on.engine.counters.lookup_steps > 0
+    finally:
+        off.close()
+        on.close()
