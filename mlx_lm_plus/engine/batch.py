@@ -18,6 +18,7 @@ from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
 from mlx_lm_plus.engine.outputs import final_events, token_response
 from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
 from mlx_lm_plus.engine import speculation
+from mlx_lm_plus.engine.drafting import DraftPrompts
 from mlx_lm_plus.engine.sampling import SeededSampler
 from mlx_lm_plus.engine.segments import for_batch, prefill_chunk, same_prefix
 from mlx_lm_plus.errors import OutOfMemory, request_error
@@ -94,8 +95,10 @@ class _Batch:
         if ((args.prompt_lookup_tokens or self.draft_model is not None)
                 and generator in (BatchGenerator, taps.TappingBatchGenerator)
                 and not self.host.group.is_distributed and self.text_only):
+            prompts = None if self.draft_model is None else DraftPrompts(
+                self.host.store, self.host.store_entry, ("draft", self.model_key))
             self.lookups = speculation.install(self.generator, self.draft_model,
-                                               args.prefill_step_size)
+                                               args.prefill_step_size, prompts)
 
     @property
     def active(self) -> bool:

@@ -20,15 +20,19 @@ feeds them again next step: the draft is the cheap model), so no position
 the row did not keep stays in its draft KV.
 
 A row joins with its prompt run through the draft at once (`extend`, in
-chunks of --prefill-step-size): the draft's KV is not kept in the prompt
-cache, so a cached prompt still costs the draft a prefill. Rows that never
+chunks of --prefill-step-size), from the longest prefix of it the prompt
+store holds for the draft (`DraftPrompts`: the draft's KV under a model
+key of its own, in the same byte budget); a row that leaves stores its
+draft KV there, so a conversation's next turn prefills only its new
+tokens through the draft, as through the model. Rows that never
 propose (a grammar, a thinking budget, a seeded sampled row, no
 `num_draft_tokens`) have no draft row: the draft runs on the proposing rows
 alone. Its bytes count with the batch's (`nbytes`).
 """
 
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
@@ -54,13 +58,34 @@ def drafts_in_batch(model, draft, tapped: bool) -> bool:
         {KVCache}, {KVCache, ArraysCache}, {ArraysCache}) and (tapped or kinds(model) == {KVCache})
 
 
+@dataclass
+class DraftPrompts:
+    """Where a draft's KV is kept between requests: the prompt store, under
+    `model_key` (the served model's key, tagged: its entries never meet the
+    model's own), stored through `store_entry` (the engine's: a failure
+    loses only that entry)."""
+    store: Any  # a PromptStore
+    store_entry: Callable
+    model_key: Any
+
+    def fetch(self, tokens: List[int]):
+        """(the draft's cache of the longest stored prefix, or None; its tokens)."""
+        found = self.store.fetch(self.model_key, tokens)
+        return found.cache, found.cached
+
+    def put(self, tokens: List[int], cache: List[Any]):
+        self.store_entry(self.model_key, tokens, cache, "generated")
+
+
 class DraftRows:
     """The draft model and its KV for the proposing rows of one decode
     batch (`members`: per batch row, whether it has a draft row; the draft
     rows are those rows, in the batch's order)."""
 
-    def __init__(self, model, prefill_step_size: int, cost, vocab: Optional[int] = None):
+    def __init__(self, model, prefill_step_size: int, cost, vocab: Optional[int] = None,
+                 prompts: Optional[DraftPrompts] = None):
         self.model = model
+        self.prompts = prompts
         # (Tokens the served model has logits for: a draft with a larger
         # vocabulary never proposes one past them.)
         self.vocab = vocab
@@ -88,8 +113,12 @@ class DraftRows:
             self.members.append(proposing)
             if not proposing:
                 continue
-            cache = make_prompt_cache(self.model)
-            for start in range(0, len(row), self.prefill_step_size):
+            cache, cached = None, 0
+            if self.prompts is not None and row:
+                cache, cached = self.prompts.fetch(row)
+            if cache is None:
+                cache, cached = make_prompt_cache(self.model), 0
+            for start in range(cached, len(row), self.prefill_step_size):
                 chunk = mx.array(row[start:start + self.prefill_step_size])[None]
                 self.model(chunk, cache=cache)
                 mx.eval([c.state for c in cache])
@@ -104,9 +133,16 @@ class DraftRows:
             for c, j in zip(self.cache, joined):
                 c.extend(j)
 
-    def filter(self, keep: List[int]):
-        """Only batch rows `keep` stay (in that order), as the batch's filter."""
+    def filter(self, keep: List[int], tokens: Optional[List[List[int]]] = None):
+        """Only batch rows `keep` stay (in that order), as the batch's
+        filter; with `tokens` (each batch row's, in its KV and carried), the
+        draft KV of those leaving is stored (DraftPrompts)."""
         index = [self.row_of(i) for i in range(len(self.members))]
+        if self.prompts is not None and tokens is not None:
+            staying = set(keep)
+            for i, j in enumerate(index):
+                if j is not None and i not in staying:
+                    self._store(j, tokens[i])
         stays = [index[i] for i in keep if index[i] is not None]
         self.members = [self.members[i] for i in keep]
         if not stays:
@@ -115,6 +151,17 @@ class DraftRows:
         for c in self.cache:
             c.filter(stays)
         self.fed = [self.fed[j] for j in stays]
+
+    def _store(self, j: int, tokens: List[int]):
+        """Draft row j's KV, under the tokens it holds (its pending token
+        too once fed: not among `tokens`, so cut off)."""
+        held = min(self.fed[j], len(tokens))
+        if not held:
+            return
+        cache = [c.extract(j) for c in self.cache]
+        for c in cache:
+            c.trim(c.offset - held)
+        self.prompts.put(list(tokens[:held]), cache)
 
     def propose(self, known: List[List[int]], pending: mx.array,
                 lengths: List[int]) -> List[List[int]]:

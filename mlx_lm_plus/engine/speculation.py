@@ -56,7 +56,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from mlx_lm_plus.engine import rollback, taps
 from mlx_lm_plus.engine.batch_kv import roll_into_padding
-from mlx_lm_plus.engine.drafting import DraftRows
+from mlx_lm_plus.engine.drafting import DraftPrompts, DraftRows
 from mlx_lm_plus.engine.lookup import RowLookup
 from mlx_lm_plus.engine.sampling import RowSampling
 from mlx_lm_plus.logs import warn_once
@@ -515,20 +515,22 @@ class SpeculativeGenerationBatch(GenerationBatch):
         super().extend(batch)
 
     def filter(self, keep: List[int]):
+        if self.draft is not None:  # (those leaving store their draft KV)
+            self.draft.filter(keep, [t + self.carried.get(uid, [])
+                                     for t, uid in zip(self.tokens, self.uids)])
         super().filter(keep)
-        if self.draft is not None:
-            self.draft.filter(keep)
         if self.carried:  # (rows that left: finished, or removed by the runner)
             live = set(self.uids)
             self.carried = {u: t for u, t in self.carried.items() if u in live}
 
 
-def install(generator, draft_model=None, prefill_step_size: int = 2048
-            ) -> Optional[Dict[int, RowLookup]]:
+def install(generator, draft_model=None, prefill_step_size: int = 2048,
+            draft_prompts: Optional[DraftPrompts] = None) -> Optional[Dict[int, RowLookup]]:
     """Make `generator`'s decode batch a speculating one, its proposals
-    from `draft_model` (drafting.py) or else from prompt lookup; returns its
-    uid -> RowLookup map for the runner to fill (None, and a warning once,
-    where mlx-lm's GenerationBatch is not the one this was written for)."""
+    from `draft_model` (drafting.py; its KV kept between requests in
+    `draft_prompts`) or else from prompt lookup; returns its uid ->
+    RowLookup map for the runner to fill (None, and a warning once, where
+    mlx-lm's GenerationBatch is not the one this was written for)."""
     if not generation_batch_as_written():
         warn_once("prompt lookup", (
             f"--prompt-lookup-tokens is off: mlx-lm {mlx_lm_version()}'s GenerationBatch "
@@ -543,7 +545,7 @@ def install(generator, draft_model=None, prefill_step_size: int = 2048
     batch.recorder = taps.install_for_checking(generator.model)
     batch.draft = None if draft_model is None else DraftRows(
         draft_model, prefill_step_size, DraftCost(),
-        getattr(getattr(generator.model, "args", None), "vocab_size", None))
+        getattr(getattr(generator.model, "args", None), "vocab_size", None), draft_prompts)
     return batch.lookups
 
 

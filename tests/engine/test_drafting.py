@@ -317,3 +317,39 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
                     np.testing.assert_allclose(np.array(g.values[..., :fed, :]),
                                                np.array(w.values[..., :fed, :]), atol=1e-4)
     assert caught_up > 20
+
+
+def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, monkeypatch):
+    """A row's draft KV is stored when it leaves (under a key of its own in
+    the prompt store) and the next turn starts from it: the draft prefills
+    what the model prefills, no more, its proposals still kept (a draft KV
+    stored or fetched wrong would show as rejections), and the replies are
+    those without a draft."""
+    off, itself, _ = runners
+    checked_always(monkeypatch)
+    fetched = []
+    real_fetch = drafting.DraftPrompts.fetch
+
+    def fetch(self, tokens):
+        cache, cached = real_fetch(self, tokens)
+        fetched.append((len(tokens), cached))
+        return cache, cached
+
+    monkeypatch.setattr(drafting.DraftPrompts, "fetch", fetch)
+    itself.store.clear()
+    before = figures(itself)
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+    for turn in range(3):
+        body = {"messages": messages, "max_tokens": 20}
+        tokens, ctx = itself.submit(body).result()
+        assert tokens == off.run(body)[0]
+        prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
+        assert fetched[-1][0] == prompt  # (the draft's prompt: the model's)
+        if turn:
+            assert cached > 0 and fetched[-1][1] >= cached, (fetched, cached)
+        messages = messages + [
+            {"role": "assistant", "content": itself.loaded.tokenizer.decode(tokens)},
+            {"role": "user", "content": f"And then, {turn}?"}]
+    proposed, accepted, _ = (a - b for a, b in zip(figures(itself), before))
+    assert accepted >= 0.97 * proposed > 0
+    itself.store.check_invariants()
