@@ -6,14 +6,13 @@ through the model in one call; a row then keeps a prefix of them. Its
 attention KV is cut to that prefix (trimmed, or rolled into its left
 padding), but a recurrent layer's state has no positions to cut: after the
 call it holds every position's update, rejected ones included. So the
-step's call is tapped (taps.py) at every position: each recurrent mixer runs
-the call's positions one piece each and its whole-batch state after each
-piece is kept (the arrays as they are: no copy). Row i's state then becomes
-the one after the positions it keeps (`restore`), and a row that ends on a
-stop word inside what it kept hands back the state at the stop (`row_at`).
-Pieces of a call compute what the whole call does where the taps' probe at
-load agreed (taps.install, bit for bit), so a row's state is the state
-without speculation.
+step's call is tapped (taps.install_for_checking) at every position: each
+recurrent mixer runs the call's positions one token a piece, the call a
+plain decode step makes, so each state is the one decoding without
+speculation reaches, and its whole-batch state after each piece is kept
+(the arrays as they are: no copy). Row i's state then becomes the one after
+the positions it keeps (`restore`), and a row that ends on a stop word
+inside what it kept hands back the state at the stop (`row_at`).
 
 The states of one step are held until it ends: (width - 1) copies of the
 batch's recurrent state, bounded by STATE_BUDGET_BYTES (`widest`).
