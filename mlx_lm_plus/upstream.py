@@ -98,6 +98,16 @@ _GENERATION_BATCH_SOURCES = {
     ("BatchKVCache", "make_mask"): "17cab343ff407f6c461bcd3cc94753c012d51a07863fe765ed46b9913211a525",
     ("TokenBuffer", "update_and_fetch"):
         "d7a0067bb938393fd31fc6229930e79c4ac6e940f05cba34cefdb586d218aa24",
+    # A draft's batched KV (drafting.py) and recurrent states set back per
+    # row (rollback.py); the batch's rows joining and leaving through the
+    # generator (the draft's rows follow them).
+    ("BatchKVCache", "merge"): "b35ecc517f9540d3f2a27310f4db1a026a27437b9cc0bd2762878596cfd575ce",
+    ("ArraysCache", "extend"): "21d9fe379c71c0c75baf320a34abea0f62ce33734335524f566196b9b17239fa",
+    ("ArraysCache", "filter"): "32a1a2fa51781d15a9f1fcfa1d3d25a3b137b56ada9c1a3f68314718ed48248d",
+    ("ArraysCache", "extract"): "9a02c24bbc0e5125e006f1e7124b9b006a9f40f27f0e3d067ff101051ddd1199",
+    ("ArraysCache", "make_mask"): "8c9427ee13a0bfba86d0ec20b51a9d5fd746d146ef5cc7b95a8845f6b87b6601",
+    ("BatchGenerator", "_next"): "eb3a4e361dc2c19eafd28e901155828fd4602d63e26c431ca9ffbf079302c665",
+    ("BatchGenerator", "remove"): "705e7de06f06d7dea6bdbcd762395e3216fd428f475e28fd51adac6c98c49dd7",
 }
 _as_written = {}
 
@@ -108,11 +118,12 @@ def generation_batch_as_written() -> bool:
     if "result" not in _as_written:
         import hashlib
 
-        from mlx_lm.generate import GenerationBatch
-        from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+        from mlx_lm.generate import BatchGenerator, GenerationBatch
+        from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer
 
         owners = {"GenerationBatch": GenerationBatch, "BatchKVCache": BatchKVCache,
-                  "TokenBuffer": TokenBuffer}
+                  "TokenBuffer": TokenBuffer, "ArraysCache": ArraysCache,
+                  "BatchGenerator": BatchGenerator}
         _as_written["result"] = all(
             hashlib.sha256(inspect.getsource(getattr(owners[owner], name)).encode())
             .hexdigest() == sha for (owner, name), sha in _GENERATION_BATCH_SOURCES.items())

@@ -18,7 +18,8 @@ from mlx_lm_plus.engine.host import BUDGET_EVERY, RunnerHost
 from mlx_lm_plus.engine.outputs import final_events, token_response
 from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
 from mlx_lm_plus.engine import speculation
-from mlx_lm_plus.engine.drafting import DraftPrompts
+from mlx_lm_plus.cache.store import PromptStore
+from mlx_lm_plus.engine.drafting import MAX_DRAFT_TOKENS, DraftPrompts
 from mlx_lm_plus.engine.sampling import SeededSampler
 from mlx_lm_plus.engine.segments import for_batch, prefill_chunk, same_prefix
 from mlx_lm_plus.errors import OutOfMemory, request_error
@@ -49,6 +50,13 @@ class _Batch:
         self.text_only = lm.processor is None
         # (Proposes for this model's rows in the batch: speculation.py.)
         self.draft_model = getattr(lm, "draft_model", None)
+        # (The draft's KV between requests: a store of its own, a quarter of
+        # the prompt cache's budget, counted in this batch's bytes.)
+        store = host.store
+        self.draft_prompts = None if self.draft_model is None else DraftPrompts(PromptStore(
+            max_bytes=store.max_bytes // 4, max_sequences=store.max_sequences, ttl=store.ttl))
+        # (Tokens the model has logits for, its draft's too: the fewer.)
+        self.vocab = getattr(lm, "vocab_size", None)
         self.results: Dict[int, Dict[str, Any]] = {}
         self._outbox = []  # (channel, event) of the step running
         self._samplers = {}  # sampling settings -> sampler (see _sampler)
@@ -95,10 +103,9 @@ class _Batch:
         if ((args.prompt_lookup_tokens or self.draft_model is not None)
                 and generator in (BatchGenerator, taps.TappingBatchGenerator)
                 and not self.host.group.is_distributed and self.text_only):
-            prompts = None if self.draft_model is None else DraftPrompts(
-                self.host.store, self.host.store_entry, ("draft", self.model_key))
-            self.lookups = speculation.install(self.generator, self.draft_model,
-                                               args.prefill_step_size, prompts)
+            self.lookups = speculation.install(
+                self.generator, self.draft_model,
+                prefill_chunk(args.prefill_step_size, True), self.draft_prompts, self.vocab)
 
     @property
     def active(self) -> bool:
@@ -147,7 +154,7 @@ class _Batch:
             **more,
         )
         most = (self.host.cli_args.prompt_lookup_tokens if self.draft_model is None
-                else a.args.num_draft_tokens)
+                else min(a.args.num_draft_tokens, MAX_DRAFT_TOKENS))
         if (self.lookups is not None and most > 0
                 and speculation.proposes_for(a.args, a.budget, a.constraint)):
             self.lookups[uid] = speculation.RowLookup(

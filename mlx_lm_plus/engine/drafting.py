@@ -2,46 +2,70 @@
 `draft_model`): the proposal source of speculation.py where the served model
 has a draft.
 
-The draft keeps a batched KV cache of its own whose rows are the decode
-batch's, in the same order (`extend` and `filter` follow the batch's). A
-row's draft KV holds a prefix of the row's tokens: `fed[i]` of them. A
-drafting step feeds every proposing row what its draft has not seen yet
-(the tokens kept since, what the row carries, its pending token: one call,
-rows right-padded to one width and the padding then rolled into their left
-padding, as BatchKVCache.finalize does after a right-padded prompt), then
-draws `width` tokens greedily, one call each. The proposals are the draft's
-argmax: a point mass, so speculation.py's check (kept with probability
-p(d), else a draw from p without d) keeps the target's distribution at any
-temperature, as for prompt lookup.
+The draft keeps a batched KV cache of its own for the batch's proposing rows
+(rows of a grammar, a thinking budget, a seeded sampled row or no
+`num_draft_tokens` have none): its draft rows, in the order they joined,
+each named by its batch row's uid. A draft row's KV holds a prefix of its
+row's tokens: `fed` of them. A drafting step feeds every draft row what the
+draft has not seen yet (the tokens kept since, what the row carries, its
+pending token: one call, rows right-padded to one width and the padding then
+rolled into their left padding, as BatchKVCache.finalize does after a
+right-padded prompt), then draws `width` tokens greedily, one call each.
+The proposals are the draft's argmax: a point mass, so speculation.py's
+check (kept with probability p(d), else a draw from p without d) keeps the
+model's distribution at any temperature, as for prompt lookup.
 
-After the check (`settle`), every row's draft KV is trimmed by one count:
-the drafted positions past the fewest any row kept (a row that kept more
+After the check (`settle`), every draft row is trimmed by one count: the
+drafted positions past the fewest any draft row kept (a row that kept more
 feeds them again next step: the draft is the cheap model), so no position
-the row did not keep stays in its draft KV.
+its row did not keep stays in a draft row's KV.
 
-A row joins with its prompt run through the draft at once (`extend`, in
-chunks of --prefill-step-size), from the longest prefix of it the prompt
-store holds for the draft (`DraftPrompts`: the draft's KV under a model
-key of its own, in the same byte budget); a row that leaves stores its
-draft KV there, so a conversation's next turn prefills only its new
-tokens through the draft, as through the model. Rows that never
-propose (a grammar, a thinking budget, a seeded sampled row, no
-`num_draft_tokens`) have no draft row: the draft runs on the proposing rows
-alone. Its bytes count with the batch's (`nbytes`).
+A row joining starts from the longest prefix of its prompt the draft's own
+prompt store holds (`DraftPrompts`: a row that leaves stores its draft KV
+there, so a conversation's next turn runs only its new tokens through the
+draft, as through the model) and catches up the rest alone, one chunk a
+step (`catch_up`, the chunk the model's prompts get while others decode):
+no step stalls for a long prompt through the draft. It proposes once it
+has joined the draft's batch. The draft's bytes count with the batch's
+(`nbytes`: its batched KV, the rows catching up, its store).
 """
 
+import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from mlx_lm_plus.engine.batch_kv import roll_into_padding
 
-# Most tokens a row feeds the draft in one step: a row behind by more (it
-# waited many steps) catches up over several and proposes once caught up.
+# Most tokens a draft row feeds in one drafting step: a row behind by more
+# (it waited many steps) catches up over several and proposes once caught
+# up. Rows x width of a call stays within MAX_POSITIONS (its logits).
 CATCH_UP_MAX = 64
+MAX_POSITIONS = 512
+# Most proposals a row of a draft makes in a step (a request's
+# num_draft_tokens is cut to it: the row's lists and the check's widths
+# follow it).
+MAX_DRAFT_TOKENS = 32
+
+# A batch row's tokens as (those in its KV, those it carries): lists of the
+# batch's own, never copied whole (a long context's are long).
+Tokens = Tuple[Sequence[int], Sequence[int]]
+
+
+def _length(tokens: Tokens) -> int:
+    return len(tokens[0]) + len(tokens[1])
+
+
+def _span(tokens: Tokens, start: int, stop: int) -> List[int]:
+    """tokens[start:stop] of the row's tokens (in its KV, then carried)."""
+    kv, carried = tokens
+    n = len(kv)
+    out = list(kv[start:min(stop, n)]) if start < n else []
+    if stop > n:
+        out += carried[max(0, start - n):stop - n]
+    return out
 
 
 def drafts_in_batch(model, draft, tapped: bool) -> bool:
@@ -58,164 +82,193 @@ def drafts_in_batch(model, draft, tapped: bool) -> bool:
         {KVCache}, {KVCache, ArraysCache}, {ArraysCache}) and (tapped or kinds(model) == {KVCache})
 
 
-@dataclass
 class DraftPrompts:
-    """Where a draft's KV is kept between requests: the prompt store, under
-    `model_key` (the served model's key, tagged: its entries never meet the
-    model's own), stored through `store_entry` (the engine's: a failure
-    loses only that entry)."""
-    store: Any  # a PromptStore
-    store_entry: Callable
-    model_key: Any
+    """The draft's KV between requests: a prompt store of its own (its
+    entries never meet the model's, nor count in its store's figures or
+    sequence limit), a quarter of the prompt cache's byte budget; its bytes
+    count in the batch's, which the model's store gives way to."""
+
+    def __init__(self, store):
+        self.store = store
 
     def fetch(self, tokens: List[int]):
         """(the draft's cache of the longest stored prefix, or None; its tokens)."""
-        found = self.store.fetch(self.model_key, tokens)
+        found = self.store.fetch("draft", tokens)
         return found.cache, found.cached
 
     def put(self, tokens: List[int], cache: List[Any]):
-        self.store_entry(self.model_key, tokens, cache, "generated")
+        """Store a draft row's KV; a failure (out of memory) loses only that."""
+        try:
+            self.store.insert("draft", tokens, cache, "generated")
+        except Exception:
+            logging.exception(f"Could not store a draft entry of {len(tokens)} tokens")
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
 
 
 class DraftRows:
-    """The draft model and its KV for the proposing rows of one decode
-    batch (`members`: per batch row, whether it has a draft row; the draft
-    rows are those rows, in the batch's order)."""
+    """The draft model and its KV for the proposing rows of one decode batch."""
 
-    def __init__(self, model, prefill_step_size: int, cost, vocab: Optional[int] = None,
+    def __init__(self, model, chunk: int, cost, vocab: Optional[int] = None,
                  prompts: Optional[DraftPrompts] = None):
         self.model = model
-        self.prompts = prompts
         # (Tokens the served model has logits for: a draft with a larger
         # vocabulary never proposes one past them.)
         self.vocab = vocab
-        self.prefill_step_size = max(1, prefill_step_size)
-        self.cache: Optional[List[BatchKVCache]] = None
-        self.members: List[bool] = []  # per batch row
-        self.fed: List[int] = []  # per draft row: its row's tokens in the draft KV
+        self.chunk = max(1, chunk)  # tokens a step catches up (catch_up)
+        self.prompts = prompts
         self.cost = cost  # (a StepCost) seconds of drafting by tokens drafted
-        self._drafted = 0  # tokens each row drafted in the step being checked
+        self.cache: Optional[List[BatchKVCache]] = None
+        self.order: List[int] = []  # the uid of each draft row
+        self.fed: List[int] = []  # per draft row: its row's tokens in its KV
+        # Rows catching up alone: uid -> [their draft cache, tokens in it].
+        self.joining: Dict[int, list] = {}
+        self._drafted = 0  # tokens each draft row drafted in the step being checked
         self._proposing: List[bool] = []  # per draft row, in that step
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) if self.cache else 0
+        held = sum(c.nbytes for c in self.cache) if self.cache else 0
+        held += sum(c.nbytes for cache, _ in self.joining.values() for c in cache)
+        return held + (self.prompts.nbytes if self.prompts is not None else 0)
 
-    def row_of(self, i: int) -> Optional[int]:
-        """Batch row i's draft row (None: it has none)."""
-        return sum(self.members[:i]) if self.members[i] else None
-
-    def extend(self, tokens: List[List[int]], proposes: List[bool]):
-        """Rows joining the batch (at its end): each proposing row's tokens
-        (those in its KV: the prompt) run through the draft."""
-        rows = []
-        for row, proposing in zip(tokens, proposes):
-            self.members.append(proposing)
+    def extend(self, uids: List[int], tokens: List[List[int]], proposes: List[bool]):
+        """Rows joining the batch: each proposing row starts from what the
+        draft's store holds of its tokens (those in its KV: the prompt); the
+        rest is caught up a chunk a step (catch_up)."""
+        for uid, row, proposing in zip(uids, tokens, proposes):
             if not proposing:
                 continue
             cache, cached = None, 0
             if self.prompts is not None and row:
-                cache, cached = self.prompts.fetch(row)
+                cache, cached = self.prompts.fetch(list(row))
             if cache is None:
                 cache, cached = make_prompt_cache(self.model), 0
-            for start in range(cached, len(row), self.prefill_step_size):
-                chunk = mx.array(row[start:start + self.prefill_step_size])[None]
-                self.model(chunk, cache=cache)
-                mx.eval([c.state for c in cache])
-            rows.append(cache)
-            self.fed.append(len(row))
-        if not rows:
-            return
-        joined = [BatchKVCache.merge(list(layer)) for layer in zip(*rows)]
-        if self.cache is None:
-            self.cache = joined
-        else:
-            for c, j in zip(self.cache, joined):
-                c.extend(j)
+            self.joining[uid] = [cache, cached]
 
-    def filter(self, keep: List[int], tokens: Optional[List[List[int]]] = None):
-        """Only batch rows `keep` stay (in that order), as the batch's
-        filter; with `tokens` (each batch row's, in its KV and carried), the
-        draft KV of those leaving is stored (DraftPrompts)."""
-        index = [self.row_of(i) for i in range(len(self.members))]
-        if self.prompts is not None and tokens is not None:
-            staying = set(keep)
-            for i, j in enumerate(index):
-                if j is not None and i not in staying:
-                    self._store(j, tokens[i])
-        stays = [index[i] for i in keep if index[i] is not None]
-        self.members = [self.members[i] for i in keep]
+    def catch_up(self, uids: List[int], tokens: List[Tokens]) -> bool:
+        """Up to one chunk of tokens through the draft for the rows still
+        catching up, in the order they came (each alone); one within
+        CATCH_UP_MAX of its tokens joins the draft's batch. Whether the
+        draft ran."""
+        at = {uid: i for i, uid in enumerate(uids)}
+        budget, ran = self.chunk, False
+        for uid in [u for u in self.joining if u in at]:
+            if budget <= 0:
+                break
+            cache, fed = self.joining[uid]
+            row = tokens[at[uid]]
+            stop = min(_length(row), fed + budget)
+            if stop > fed:
+                self.model(mx.array(_span(row, fed, stop))[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                budget -= stop - fed
+                ran = True
+            if _length(row) - stop > CATCH_UP_MAX:
+                self.joining[uid][1] = stop
+                continue
+            del self.joining[uid]
+            joined = [BatchKVCache.merge([c]) for c in cache]
+            if self.cache is None:
+                self.cache = joined
+            else:
+                for c, j in zip(self.cache, joined):
+                    c.extend(j)
+            self.order.append(uid)
+            self.fed.append(stop)
+        return ran
+
+    def filter(self, uids: List[int], keep: List[int], tokens: Optional[List[Tokens]] = None):
+        """Only batch rows `keep` of `uids` stay, as the batch's filter; with
+        `tokens` (each batch row's), the draft KV of those leaving is stored
+        (DraftPrompts)."""
+        staying = {uids[i] for i in keep}
+        rows = {uid: i for i, uid in enumerate(uids)}
+        storing = self.prompts is not None and tokens is not None
+        for uid in [u for u in self.joining if u not in staying]:
+            cache, fed = self.joining.pop(uid)
+            if storing and uid in rows:
+                self._store(cache, fed, tokens[rows[uid]])
+        stays = [j for j, uid in enumerate(self.order) if uid in staying]
+        if storing:
+            for j, uid in enumerate(self.order):
+                if uid not in staying and uid in rows:
+                    self._store([c.extract(j) for c in self.cache], self.fed[j],
+                                tokens[rows[uid]])
+        if len(stays) == len(self.order):
+            return
+        self.order = [self.order[j] for j in stays]
+        self.fed = [self.fed[j] for j in stays]
         if not stays:
-            self.cache, self.fed = None, []
+            self.cache = None
             return
         for c in self.cache:
             c.filter(stays)
-        self.fed = [self.fed[j] for j in stays]
 
-    def _store(self, j: int, tokens: List[int]):
-        """Draft row j's KV, under the tokens it holds (its pending token
-        too once fed: not among `tokens`, so cut off)."""
-        held = min(self.fed[j], len(tokens))
+    def _store(self, cache: List[Any], fed: int, tokens: Tokens):
+        """A leaving row's draft KV (`fed` of its tokens; its pending token
+        too once fed, not among `tokens`: cut off) into the draft's store."""
+        held = min(fed, _length(tokens))
         if not held:
             return
-        cache = [c.extract(j) for c in self.cache]
         for c in cache:
             c.trim(c.offset - held)
-        self.prompts.put(list(tokens[:held]), cache)
+        self.prompts.put(_span(tokens, 0, held), cache)
 
-    def propose(self, known: List[List[int]], pending: mx.array,
+    def propose(self, uids: List[int], tokens: List[Tokens], pending: mx.array,
                 lengths: List[int]) -> List[List[int]]:
         """Each batch row's proposals (lengths[i] of them, 0: none; the
-        longest drafted for every proposing row). known[i]: the row's tokens
-        but its pending one (in its KV, then carried); pending: the pending
-        tokens (an array, one per batch row). A row still catching up feeds
-        the draft and proposes nothing."""
-        if len(known) != len(self.members):
-            raise RuntimeError(f"draft members {len(self.members)} for a batch of {len(known)}")
-        index = [i for i, member in enumerate(self.members) if member]
-        self._drafted, self._proposing = 0, [False] * len(index)
-        none = [[] for _ in known]
-        if not index:
+        longest drafted for every proposing draft row). tokens[i]: the row's
+        tokens but its pending one (in its KV, then carried); pending: the
+        pending tokens (an array, one per batch row). Every draft row feeds
+        what it has not seen (so that rows stay alike); one still behind
+        after that proposes nothing."""
+        none = [[] for _ in uids]
+        if not self.order:
+            self._drafted, self._proposing = 0, []
             return none
-        if len(index) < len(known):
-            pending = pending[mx.array(index)]
-        drafts = self._draft([known[i] for i in index], pending, [lengths[i] for i in index])
-        for i, d in zip(index, drafts):
-            none[i] = d
+        at = {uid: i for i, uid in enumerate(uids)}
+        rows = [at[uid] for uid in self.order]  # (KeyError: a row the batch lost)
+        drafts = self._draft([tokens[b] for b in rows], pending[mx.array(rows)],
+                             [lengths[b] for b in rows])
+        for b, d in zip(rows, drafts):
+            none[b] = d
         return none
 
-    def _draft(self, known, pending, lengths) -> List[List[int]]:
+    def _draft(self, tokens: List[Tokens], pending, lengths) -> List[List[int]]:
         """propose(), over the draft rows."""
-        tic, rows = time.perf_counter(), len(known)
+        tic, rows = time.perf_counter(), len(tokens)
+        cap = max(1, min(CATCH_UP_MAX, MAX_POSITIONS // rows))
         feeds, drafting = [], []
-        for i in range(rows):
-            unseen = len(known[i]) + 1 - self.fed[i]
-            feed = min(unseen, CATCH_UP_MAX) if lengths[i] else 0
+        for j in range(rows):
+            unseen = _length(tokens[j]) + 1 - self.fed[j]
+            feed = min(unseen, cap)
             feeds.append(feed)
-            drafting.append(feed > 0 and feed == unseen)
-        self._proposing = drafting
-        if not any(feeds):
-            return [[] for _ in range(rows)]
-        width = max(n for n, d in zip(lengths, drafting) if d) if any(drafting) else 0
+            drafting.append(lengths[j] > 0 and feed == unseen)
+        self._drafted, self._proposing = 0, drafting
+        width = max((n for n, d in zip(lengths, drafting) if d), default=0)
         wide = max(feeds)
-        # Row i: its unseen tokens (the pending one last, from the array
-        # that holds it), then padding to `wide`.
+        # Row j: its unseen tokens (the pending one last, from the array
+        # that holds it, where it is reached), then padding to `wide`.
         ids, at = [], []
-        for i in range(rows):
-            row = known[i][self.fed[i]:self.fed[i] + feeds[i]]
-            ids.append(row + [0] * (wide - len(row)))
-            at.append(feeds[i] - 1 if drafting[i] else -1)
+        for j in range(rows):
+            start = self.fed[j]
+            known = _span(tokens[j], start, start + feeds[j])
+            ids.append(known + [0] * (wide - len(known)))
+            at.append(feeds[j] - 1 if len(known) < feeds[j] else -1)
         is_pending = mx.arange(wide)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, pending[:, None].astype(mx.uint32),
                           mx.array(ids, dtype=mx.uint32))
         logits = self.model(inputs, cache=self.cache)
-        last = mx.array([max(0, f - 1) for f in feeds])[:, None, None]
+        last = mx.array([f - 1 for f in feeds])[:, None, None]
         token = self._greedy(mx.take_along_axis(logits, last, axis=1)[:, 0, :])
         padding = [wide - f for f in feeds]
         if any(padding):  # (drafted tokens follow each row's own)
             roll_into_padding(self.cache, padding)
-        for i in range(rows):
-            self.fed[i] += feeds[i]
+        for j in range(rows):
+            self.fed[j] += feeds[j]
         if not width:  # (only catching up)
             mx.eval([c.state for c in self.cache])
             return [[] for _ in range(rows)]
@@ -227,12 +280,12 @@ class DraftRows:
         drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
         self._drafted = width
         self.cost.observe(width, time.perf_counter() - tic)
-        return [drafted[i][:lengths[i]] if drafting[i] else [] for i in range(rows)]
+        return [drafted[j][:lengths[j]] if drafting[j] else [] for j in range(rows)]
 
     def _greedy(self, logits: mx.array) -> mx.array:
         return mx.argmax(logits[:, :self.vocab] if self.vocab else logits, axis=-1)
 
-    def settle(self, kept: List[int]):
+    def settle(self, uids: List[int], kept: List[int]):
         """After the check: kept[i] of batch row i's proposals kept. The
         drafted positions (inputs: all drafted tokens but the last) past
         the fewest any draft row kept are trimmed from every draft row."""
@@ -240,9 +293,9 @@ class DraftRows:
         self._drafted = 0
         if fed_drafts <= 0 or not self.cache:
             return
-        kept = [k for k, member in zip(kept, self.members) if member]
-        valid = min(min(k, fed_drafts) if proposing else 0
-                    for k, proposing in zip(kept, self._proposing))
+        at = {uid: i for i, uid in enumerate(uids)}
+        valid = min(min(kept[at[uid]], fed_drafts) if proposing else 0
+                    for uid, proposing in zip(self.order, self._proposing))
         for c in self.cache:
             c.trim(fed_drafts - valid)
         self.fed = [f + valid for f in self.fed]

@@ -195,6 +195,8 @@ class Engine(Supervision, EngineFigures, Housekeeping):
         """After an allocation failure: give back half the prompt cache and
         MLX's buffer cache, so the next request has room."""
         self.store.trim_to(self.store.nbytes // 2, to_disk=False)
+        for store in self._draft_stores():
+            store.clear()
         gc.collect()
         mx.clear_cache()
 
@@ -215,6 +217,12 @@ class Engine(Supervision, EngineFigures, Housekeeping):
         elif self._stop:  # (the loop may have drained its queue before this put)
             self.scheduler.fail_queue(EngineUnavailable("server shutting down"))
 
+    def _draft_stores(self):
+        """The draft models' own prompt stores (drafting.DraftPrompts); any
+        thread (a copy of the batches, each store behind its lock)."""
+        return [b.draft_prompts.store for b in list(self._batches.values())
+                if getattr(b, "draft_prompts", None) is not None]
+
     def clear_cache(self):
         """Drop every prompt cache entry; MLX's buffer cache follows on the
         generation thread. Returns the store's snapshot. Under mx.distributed
@@ -222,6 +230,8 @@ class Engine(Supervision, EngineFigures, Housekeeping):
         leave the others resuming prompts it recomputes)."""
         if not self._is_distributed:
             self.store.clear()
+            for store in self._draft_stores():
+                store.clear()
             self._clear_buffers = True
             return self.store.snapshot()
         if not self.is_healthy:

@@ -1,13 +1,15 @@
-"""Speculative decoding inside the batch, from the row's own tokens
-(prompt lookup, `--prompt-lookup-tokens`).
+"""Speculative decoding inside the batch: proposals from the row's own
+tokens (prompt lookup, `--prompt-lookup-tokens`, lookup.py) or from a draft
+model (`--draft-model`, drafting.py).
 
 Agents and editors re-emit long stretches of their context (a file with a
 few lines changed, tool arguments, quotes). Where a row's last few tokens
 appeared before in its prompt or its answer, the tokens that followed them
-then are proposed as its next ones; the model checks every row's proposals
-in one forward pass (the row's pending token and its proposals, k+1
-positions), and each row keeps the prefix it accepts plus one token of the
-model's own. A step where no row has a proposal is upstream's step, as is.
+then are proposed as its next ones (or a draft model's greedy tokens are);
+the model checks every row's proposals in one forward pass (the row's
+pending token and its proposals, k+1 positions), and each row keeps the
+prefix it accepts plus one token of the model's own. A step where no row
+has a proposal is upstream's step, as is.
 
 Exactness, per row:
 - Greedy: a proposal is kept while it equals the model's argmax there, so
@@ -25,15 +27,20 @@ Exactness, per row:
   their left padding (what BatchKVCache.finalize does for right-padded
   prompts), whichever has cost less.
 
+Recurrent layers (hybrid models, Mamba) have each row's state set back to
+the one after what it kept, from taps at every position of the call
+(rollback.py).
+
 Rows that do not propose (in this version): rows with a grammar or a
 thinking budget (processors that keep state from call to call: they would
 have to unsee rejected tokens), seeded rows that sample (their draws
-follow upstream's seeded text) and XTC; and no row of a model whose every layer is not a
-plain BatchKVCache (hybrid state, sliding windows, quantized KV: not rolled
-back here), of a vision model, or under mx.distributed. Rows that do not
-propose still share a verifying step: position 0 is theirs, processed and
-sampled as the plain step does (patches/batched_logits_processors.py's
-process_rows, then the row's sampler), the rest of their KV dropped.
+follow upstream's seeded text) and XTC; and no row of a model with layers
+other than plain KV and tapped recurrent ones (sliding windows, quantized
+KV: not rolled back here), of a vision model, or under mx.distributed. Rows
+that do not propose still share a verifying step: position 0 is theirs,
+processed and sampled as the plain step does (patches/
+batched_logits_processors.py's process_rows, then the row's sampler), the
+rest of their KV dropped.
 
 Written against mlx-lm 0.32.2's GenerationBatch (its pending token, counts
 and matchers): on another version (upstream.generation_batch_as_written)
@@ -199,6 +206,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if not self.uids or (not self.carried and (
                 not self.lookups or not speculates(self.prompt_cache, self.recorder))):
             return super().next()
+        if self.draft is not None and self.draft.catch_up(self.uids, self._row_tokens()):
+            self.after_check = True  # (this step's time has the draft's chunk in it)
         tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
         looking = [lookup is not None and lookup.ready() for lookup in lookups]
@@ -233,8 +242,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # that step's time, not this one's.)
         if self.draft is not None and any(proposals):
             mx.eval(self._next_tokens)
-            known = [self.tokens[i] + self.carried.get(uid, []) for i, uid in enumerate(self.uids)]
-            proposals = self.draft.propose(known, self._next_tokens, list(map(len, proposals)))
+            proposals = self.draft.propose(self.uids, self._row_tokens(), self._next_tokens,
+                                           list(map(len, proposals)))
+            if not any(proposals):  # (only caught up: not a plain step's time)
+                self.after_check = True
         if not any(proposals) and not self.carried:
             return self._plain(rows, tic)
         positions = len(self.uids) * max(len(self.carried.get(uid, ())) + 1 + len(p)
@@ -403,7 +414,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         self._current_tokens = mx.array([e[0][-1] for e in emitted], dtype=mx.uint32)
         if self.draft is not None:  # (before rows that finished leave)
-            self.draft.settle(kept_by_row)
+            self.draft.settle(self.uids, kept_by_row)
         return self._finish(emitted, taps, stays)
 
     def _kv_layers(self) -> list:
@@ -507,30 +518,37 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self.filter(keep)  # (the runner forgets a finished row's lookup)
         return responses
 
+    def _row_tokens(self):
+        """Each row's tokens but its pending one: (in its KV, carried)."""
+        return [(t, self.carried.get(uid, ())) for t, uid in zip(self.tokens, self.uids)]
+
     def extend(self, batch):
-        """Rows joining (prefilled): with a draft model, their prompts run
-        through the draft too."""
+        """Rows joining (prefilled): with a draft model, the proposing
+        ones start catching up through the draft (drafting.py)."""
         if self.draft is not None:
-            self.draft.extend(batch.tokens, [uid in self.lookups for uid in batch.uids])
+            self.draft.extend(batch.uids, batch.tokens,
+                              [uid in self.lookups for uid in batch.uids])
         super().extend(batch)
 
     def filter(self, keep: List[int]):
         if self.draft is not None:  # (those leaving store their draft KV)
-            self.draft.filter(keep, [t + self.carried.get(uid, [])
-                                     for t, uid in zip(self.tokens, self.uids)])
+            self.draft.filter(self.uids, keep, self._row_tokens())
         super().filter(keep)
         if self.carried:  # (rows that left: finished, or removed by the runner)
             live = set(self.uids)
             self.carried = {u: t for u, t in self.carried.items() if u in live}
 
 
-def install(generator, draft_model=None, prefill_step_size: int = 2048,
-            draft_prompts: Optional[DraftPrompts] = None) -> Optional[Dict[int, RowLookup]]:
+def install(generator, draft_model=None, draft_chunk: int = 512,
+            draft_prompts: Optional[DraftPrompts] = None,
+            vocab: Optional[int] = None) -> Optional[Dict[int, RowLookup]]:
     """Make `generator`'s decode batch a speculating one, its proposals
-    from `draft_model` (drafting.py; its KV kept between requests in
-    `draft_prompts`) or else from prompt lookup; returns its uid ->
-    RowLookup map for the runner to fill (None, and a warning once, where
-    mlx-lm's GenerationBatch is not the one this was written for)."""
+    from `draft_model` (drafting.py: rows catch up `draft_chunk` tokens a
+    step, its KV kept between requests in `draft_prompts`, never a token
+    past `vocab`) or else from prompt lookup; returns its uid -> RowLookup
+    map for the runner to fill (None, and a warning once, where mlx-lm's
+    GenerationBatch is not the one this was written for: facts.py keeps a
+    draft's model on the sequential path there)."""
     if not generation_batch_as_written():
         warn_once("prompt lookup", (
             f"--prompt-lookup-tokens is off: mlx-lm {mlx_lm_version()}'s GenerationBatch "
@@ -544,8 +562,7 @@ def install(generator, draft_model=None, prefill_step_size: int = 2048,
     # (Hybrid models: their recurrent mixers tapped; rollback.py.)
     batch.recorder = taps.install_for_checking(generator.model)
     batch.draft = None if draft_model is None else DraftRows(
-        draft_model, prefill_step_size, DraftCost(),
-        getattr(getattr(generator.model, "args", None), "vocab_size", None), draft_prompts)
+        draft_model, draft_chunk, DraftCost(), vocab, draft_prompts)
     return batch.lookups
 
 

@@ -108,11 +108,11 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     three, go = threading.Event(), threading.Event()
     real_settle, real_roll = drafting.DraftRows.settle, drafting.roll_into_padding
 
-    def settle(self, kept):
+    def settle(self, uids, kept):
         batch = itself.engine._batches[itself.loaded.key]
         held.append((self.nbytes, batch.owned_nbytes()))
-        out = real_settle(self, kept)
-        if len(self.members) == 4 and not three.is_set():
+        out = real_settle(self, uids, kept)
+        if len(self.order) == 3 and not three.is_set():
             three.set()
             go.wait(30)  # (the next step waits for the later rows to be queued)
         return out
@@ -151,8 +151,8 @@ def test_a_client_gone_mid_draft_leaves_the_others_exact(runners, monkeypatch):
     release, seen = threading.Event(), []
     real_settle = drafting.DraftRows.settle
 
-    def settle(self, kept):
-        out = real_settle(self, kept)
+    def settle(self, uids, kept):
+        out = real_settle(self, uids, kept)
         if len(self.fed) == 3 and not seen:
             seen.append(True)
             release.wait(30)  # (the next step waits for the cancel)
@@ -258,10 +258,12 @@ def test_a_draft_that_cannot_propose_here_keeps_the_sequential_path(fixture_path
 
 def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, monkeypatch):
     """DraftRows alone, over random steps: rows proposing or not, kept
-    counts at random, tokens gained between drafting steps (plain steps),
-    rows catching up a few tokens a step (CATCH_UP_MAX 3), rows leaving
-    and joining. After every step each row's draft KV is, to float
-    rounding, a fresh prefill of the first `fed` tokens of that row."""
+    counts at random, tokens gained between drafting steps (plain steps,
+    some carried), rows catching up alone a chunk a step before joining
+    (chunk 5), then a few tokens a drafting step (CATCH_UP_MAX 3), rows
+    leaving and joining. After every step each draft row's KV, and each
+    catching-up row's, is, to float rounding, a fresh prefill of the first
+    `fed` tokens of that row."""
     import random
 
     from mlx_lm import load
@@ -270,10 +272,12 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
     model, _ = load(str(fixture_path("qwen3")))
     monkeypatch.setattr(drafting, "CATCH_UP_MAX", 3)
     rng = random.Random(3)
-    draft = drafting.DraftRows(model, prefill_step_size=5, cost=speculation.DraftCost())
-    rows = [[rng.randrange(500) for _ in range(n)] for n in (7, 12, 3)]
+    draft = drafting.DraftRows(model, chunk=5, cost=speculation.DraftCost())
+    uids = [10, 11, 12]
+    rows = [[rng.randrange(500) for _ in range(n)] for n in (7, 19, 3)]
+    carried = [[], [], []]
     proposing = [True, True, False]
-    draft.extend(rows, proposing)
+    draft.extend(uids, rows, proposing)
 
     def fresh(tokens):
         cache = make_prompt_cache(model)
@@ -281,42 +285,55 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
             model(mx.array(tokens)[None], cache=cache)
         return cache
 
-    caught_up = 0
+    def same(got, tokens):
+        want = fresh(tokens)
+        for w, g in zip(want, got):
+            assert g.offset == len(tokens), (g.offset, len(tokens))
+            if tokens:
+                for a, b in ((g.keys, w.keys), (g.values, w.values)):
+                    np.testing.assert_allclose(np.array(a[..., :len(tokens), :]),
+                                               np.array(b[..., :len(tokens), :]), atol=1e-4)
+
+    proposed, caught_up = 0, 0
     for step in range(40):
+        known = [(r, c) for r, c in zip(rows, carried)]
+        caught_up += draft.catch_up(uids, known)
         pending = [rng.randrange(500) for _ in rows]
-        lengths = [rng.choice([1, 2, 4]) if p else 0 for p in proposing]
-        proposals = draft.propose(rows, mx.array(pending, dtype=mx.uint32), lengths)
-        caught_up += sum(map(bool, proposals))
+        lengths = [rng.choice([0, 1, 2, 4]) if p else 0 for p in proposing]
+        proposals = draft.propose(uids, known, mx.array(pending, dtype=mx.uint32), lengths)
+        proposed += sum(map(bool, proposals))
+        assert all(not p or proposing[i] for i, p in enumerate(proposals))
         kept = [rng.randint(0, len(p)) for p in proposals]
-        draft.settle(kept)
+        draft.settle(uids, kept)
         for i in range(len(rows)):
-            rows[i] = rows[i] + [pending[i]] + proposals[i][:kept[i]]
+            # (the row's tokens: in its KV, then carried; some move across)
+            whole = rows[i] + carried[i] + [pending[i]] + proposals[i][:kept[i]]
             if rng.random() < 0.3:  # (plain steps since)
-                rows[i] += [rng.randrange(500) for _ in range(rng.randint(1, 4))]
+                whole += [rng.randrange(500) for _ in range(rng.randint(1, 4))]
+            cut = len(whole) - rng.choice([0, 0, 1, 2])
+            rows[i], carried[i] = whole[:cut], whole[cut:]
         if step == 15:  # the row that never proposes leaves, one joins
             keep = [0, 1]
-            draft.filter(keep)
-            rows, proposing = [rows[i] for i in keep], [proposing[i] for i in keep]
-            rows.append([rng.randrange(500) for _ in range(9)])
+            draft.filter(uids, keep)
+            uids, rows, carried, proposing = ([x[i] for i in keep]
+                                              for x in (uids, rows, carried, proposing))
+            uids.append(13)
+            rows.append([rng.randrange(500) for _ in range(23)])
+            carried.append([])
             proposing.append(True)
-            draft.extend(rows[-1:], [True])
-        for i, row in enumerate(rows):
-            j = draft.row_of(i)
-            assert (j is not None) == proposing[i]
-            if j is None:
-                continue
-            fed = draft.fed[j]
-            assert fed <= len(row)
-            want = fresh(row[:fed])
-            got = [c.extract(j) for c in draft.cache]
-            for w, g in zip(want, got):
-                assert g.offset == fed, (step, i, g.offset, fed)
-                if fed:
-                    np.testing.assert_allclose(np.array(g.keys[..., :fed, :]),
-                                               np.array(w.keys[..., :fed, :]), atol=1e-4)
-                    np.testing.assert_allclose(np.array(g.values[..., :fed, :]),
-                                               np.array(w.values[..., :fed, :]), atol=1e-4)
-    assert caught_up > 20
+            draft.extend(uids[-1:], rows[-1:], [True])
+        for i, uid in enumerate(uids):
+            whole = rows[i] + carried[i]
+            if uid in draft.joining:
+                cache, fed = draft.joining[uid]
+                same(cache, whole[:fed])
+            elif uid in draft.order:
+                j = draft.order.index(uid)
+                assert draft.fed[j] <= len(whole)
+                same([c.extract(j) for c in draft.cache], whole[:draft.fed[j]])
+            else:
+                assert not proposing[i]
+    assert proposed > 20 and caught_up >= 4 and not draft.joining
 
 
 def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, monkeypatch):
@@ -336,20 +353,71 @@ def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, 
         return cache, cached
 
     monkeypatch.setattr(drafting.DraftPrompts, "fetch", fetch)
-    itself.store.clear()
+    itself.engine.clear_cache()
     before = figures(itself)
-    messages = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+    # (Two conversations at a time: each row's own draft KV stored.)
+    talks = [[{"role": "user", "content": f"Tell me about the sea, {i}. " * (12 + 5 * i)}]
+             for i in range(2)]
     for turn in range(3):
-        body = {"messages": messages, "max_tokens": 20}
-        tokens, ctx = itself.submit(body).result()
-        assert tokens == off.run(body)[0]
-        prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
-        assert fetched[-1][0] == prompt  # (the draft's prompt: the model's)
-        if turn:
-            assert cached > 0 and fetched[-1][1] >= cached, (fetched, cached)
-        messages = messages + [
-            {"role": "assistant", "content": itself.loaded.tokenizer.decode(tokens)},
-            {"role": "user", "content": f"And then, {turn}?"}]
+        bodies = [{"messages": messages, "max_tokens": 27 - 7 * i}
+                  for i, messages in enumerate(talks)]
+        fetched.clear()
+        channels = [itself.submit(body) for body in bodies]
+        for i, (body, channel) in enumerate(zip(bodies, channels)):
+            tokens, ctx = channel.result()
+            assert tokens == off.run(body)[0]
+            prompt, cached = len(ctx.prompt), ctx.prompt_cache_count
+            (draft_cached,) = [c for n, c in fetched if n == prompt]  # (the model's prompt)
+            if turn:
+                assert cached > 0 and draft_cached >= cached, (fetched, cached)
+            talks[i] = talks[i] + [
+                {"role": "assistant", "content": itself.loaded.tokenizer.decode(tokens)},
+                {"role": "user", "content": f"And then, {turn}?"}]
     proposed, accepted, _ = (a - b for a, b in zip(figures(itself), before))
     assert accepted >= 0.97 * proposed > 0
     itself.store.check_invariants()
+
+
+def test_the_drafts_store_leaves_the_models_alone(fixture_path):
+    """The draft's entries are kept apart (DraftPrompts' own store): with
+    room for two sequences, two conversations keep their cached turns as
+    without a draft, and the prompt cache's figures are the model's alone."""
+    model = fixture_path("qwen3")
+    runners = [EngineRunner(model, max_sequences=2),
+               EngineRunner(model, max_sequences=2, argv=draft_argv(model))]
+    try:
+        seen = []
+        for runner in runners:
+            talks = [[{"role": "user", "content": f"Plan day {i} by the river. " * 8}]
+                     for i in range(2)]
+            cached = []
+            for turn in range(2):
+                for i in range(2):
+                    tokens, ctx = runner.submit({"messages": talks[i], "max_tokens": 12}).result()
+                    cached.append(ctx.prompt_cache_count)
+                    talks[i] = talks[i] + [
+                        {"role": "assistant", "content": runner.loaded.tokenizer.decode(tokens)},
+                        {"role": "user", "content": "And then?"}]
+            stats = {k: v for k, v in runner.store.stats.items() if k.startswith("fetch_")}
+            seen.append((cached, stats, sorted(e.key for e in runner.store.entries())))
+        assert seen[0] == seen[1] and min(seen[0][0][2:]) > 50, seen
+    finally:
+        for runner in runners:
+            runner.close()
+
+
+def test_a_huge_num_draft_tokens_is_cut(runners, monkeypatch):
+    """num_draft_tokens past MAX_DRAFT_TOKENS is cut to it (a row's
+    lists and its checks' widths follow it): served, as without a draft."""
+    off, itself, _ = runners
+    made = []
+    real_init = speculation.RowLookup.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self.max_tokens)
+
+    monkeypatch.setattr(speculation.RowLookup, "__init__", init)
+    body = chat("A long one, please.", max_tokens=30, num_draft_tokens=10 ** 9)
+    assert itself.run(body)[0] == off.run(body)[0]
+    assert made == [drafting.MAX_DRAFT_TOKENS]
