@@ -18,7 +18,7 @@ import pytest
 
 from mlx_lm_plus.engine import drafting, speculation
 from testkit.engine_harness import SEQUENTIAL, EngineRunner
-from tests.engine.test_speculation import CHI2_999, MIXED, chat, chi2_statistic, run
+from tests.engine.test_speculation import MIXED, assert_same_distribution, chat, forced, run
 
 
 def draft_argv(path, tokens=4):
@@ -26,18 +26,10 @@ def draft_argv(path, tokens=4):
 
 
 def checked_always(monkeypatch, drop=None):
-    """Every width checked (a step's cost the same at any width, drafting
-    free: widths then don't hang on this machine's timings); with `drop`,
-    rejected KV always carried or always rolled."""
-    monkeypatch.setattr(speculation.StepCost, "predict", lambda self, positions: 1.0)
+    """test_speculation's `forced` (every width checked; with `drop`,
+    rejected KV always carried or always rolled), drafting free."""
+    forced(monkeypatch, drop)
     monkeypatch.setattr(speculation.DraftCost, "predict", lambda self, width: 0.0)
-    if drop == "carry":
-        monkeypatch.setattr(
-            speculation.SpeculativeGenerationBatch, "_drop",
-            lambda self, r: max(r) if max(r) - min(r) <= speculation.CARRY_MAX else min(r))
-    elif drop == "roll":
-        monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_drop",
-                            lambda self, r: min(r))
 
 
 @pytest.fixture(scope="module")
@@ -214,10 +206,7 @@ def test_sampled_rows_keep_their_distribution_with_a_draft(fixture_path, monkeyp
         finally:
             monkeypatch.undo()
             runner.close()
-    keys = sorted(set(counts["off"]) | set(counts["on"]))
-    table = np.array([[counts[name][k] for k in keys] for name in ("off", "on")])
-    assert len(keys) >= 4, table
-    assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
+    assert_same_distribution(counts)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])

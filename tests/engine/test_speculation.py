@@ -35,6 +35,15 @@ def chi2_statistic(table: np.ndarray) -> float:
     return float((((table - expected) ** 2) / expected).sum())
 
 
+def assert_same_distribution(counts):
+    """counts["off"] and counts["on"] (outcome -> times seen) can't be told
+    apart: chi-square of their table under its 0.999 quantile."""
+    keys = sorted(set(counts["off"]) | set(counts["on"]))
+    table = np.array([[counts[name][k] for k in keys] for name in ("off", "on")])
+    assert len(keys) >= 4, table
+    assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
+
+
 def chat(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
@@ -66,6 +75,12 @@ class Oracle:
         self.references = [p + t for t, _, p in references]
         self.corrupt, self.random = corrupt, random.Random(seed)
         self.calls = 0
+
+    def install(self, monkeypatch) -> "Oracle":
+        """Every row's lookups answered by this oracle."""
+        monkeypatch.setattr(speculation.RowLookup, "propose",
+                            lambda lookup, *a: self.propose(lookup, *a))
+        return self
 
     def propose(self, lookup, tokens, tail, room):
         known = list(tokens) + list(tail)
@@ -133,9 +148,7 @@ def test_greedy_text_and_logprobs_are_those_without_it(pair, monkeypatch, togeth
     forced(monkeypatch, drop)
     bodies = MIXED[:together]
     reference = run(off, bodies)
-    oracle = Oracle(reference)
-    monkeypatch.setattr(speculation.RowLookup, "propose",
-                        lambda self, *a: oracle.propose(self, *a))
+    oracle = Oracle(reference).install(monkeypatch)
     before = (on.engine.counters.lookup_proposed, on.engine.counters.lookup_accepted)
     got = run(on, bodies)
     for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
@@ -327,10 +340,7 @@ def test_sampled_rows_in_the_batch_keep_their_distribution(fixture_path, monkeyp
         finally:
             monkeypatch.undo()
             runner.close()
-    keys = sorted(set(counts["off"]) | set(counts["on"]))
-    table = np.array([[counts[name][k] for k in keys] for name in ("off", "on")])
-    assert len(keys) >= 4, table
-    assert chi2_statistic(table) < CHI2_999[len(keys) - 2], (keys, table)
+    assert_same_distribution(counts)
 
 
 @pytest.mark.parametrize("kind,checks", [
@@ -348,9 +358,7 @@ def test_recurrent_models_roll_back_their_states(kind, checks, fixture_path, mon
         bodies = [chat(" ".join(f"word {j} of line {i}." for j in range(12)), max_tokens=40)
                   for i in range(4)]
         reference = run(off, bodies)
-        oracle = Oracle(reference, corrupt=0.3)
-        monkeypatch.setattr(speculation.RowLookup, "propose",
-                            lambda self, *a: oracle.propose(self, *a))
+        Oracle(reference, corrupt=0.3).install(monkeypatch)
         forced(monkeypatch)
         got = run(on, bodies)
         for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
@@ -372,9 +380,7 @@ def test_seeded_rows_beside_proposing_rows_keep_their_text(pair, monkeypatch):
               for i in range(2)]
     alone = [on.run(b)[0] for b in seeded]
     greedy = MIXED[:4]
-    oracle = Oracle(run(off, greedy))
-    monkeypatch.setattr(speculation.RowLookup, "propose",
-                        lambda self, *a: oracle.propose(self, *a))
+    Oracle(run(off, greedy)).install(monkeypatch)
     forced(monkeypatch, "carry")
     before = on.engine.counters.lookup_steps
     got = run(on, seeded + greedy)
@@ -389,9 +395,7 @@ def test_a_client_gone_while_its_row_carries_tokens(pair, monkeypatch):
     off, on = pair
     bodies = [chat(f"Carry on {i}.", max_tokens=60) for i in range(3)]
     reference = run(off, bodies)
-    oracle = Oracle(reference, corrupt=0.5, seed=4)
-    monkeypatch.setattr(speculation.RowLookup, "propose",
-                        lambda self, *a: oracle.propose(self, *a))
+    Oracle(reference, corrupt=0.5, seed=4).install(monkeypatch)
     forced(monkeypatch, "carry")
     carrying = []  # the requests (by arrival: uids grow) whose rows carried tokens
     release = threading.Event()
@@ -499,9 +503,7 @@ def test_its_figures_reach_stats_metrics_and_the_request_record(pair, monkeypatc
 
     off, on = pair
     body = MIXED[0]
-    oracle = Oracle(run(off, [body]), corrupt=0.0)
-    monkeypatch.setattr(speculation.RowLookup, "propose",
-                        lambda self, *a: oracle.propose(self, *a))
+    Oracle(run(off, [body]), corrupt=0.0).install(monkeypatch)
     forced(monkeypatch)
     before = dict(on.engine.prompt_lookup)
     channel = on.submit(body)
@@ -529,9 +531,7 @@ def test_recurrent_states_held_by_a_check_stay_in_their_budget(fixture_path, mon
         bodies = [chat(f"Line {i} of a long song about the hills.", max_tokens=30)
                   for i in range(2)]
         reference = run(off, bodies)
-        oracle = Oracle(reference, corrupt=0.0)
-        monkeypatch.setattr(speculation.RowLookup, "propose",
-                            lambda self, *a: oracle.propose(self, *a))
+        oracle = Oracle(reference, corrupt=0.0).install(monkeypatch)
         forced(monkeypatch)
         monkeypatch.setattr(rollback, "STATE_BUDGET_BYTES", 1)
         assert [t for t, _, _ in run(on, bodies)] == [t for t, _, _ in reference]
