@@ -19,12 +19,12 @@ from mlx_lm_plus.engine.outputs import final_events, token_response
 from mlx_lm_plus.engine.quantized_batch import QuantizedBatchGenerator
 from mlx_lm_plus.engine import speculation
 from mlx_lm_plus.cache.store import PromptStore
-from mlx_lm_plus.engine.drafting import MAX_DRAFT_TOKENS, DraftPrompts
+from mlx_lm_plus.engine.drafting import CATCH_UP_MAX, MAX_DRAFT_TOKENS, DraftPrompts
 from mlx_lm_plus.engine.sampling import SeededSampler
 from mlx_lm_plus.engine.segments import for_batch, prefill_chunk, same_prefix
 from mlx_lm_plus.errors import OutOfMemory, request_error
 from mlx_lm_plus.upstream import (
-    in_flight_caches, make_logits_processors, make_sampler, queued_caches,
+    generation_batch, in_flight_caches, make_logits_processors, make_sampler, queued_caches,
 )
 
 # A request waits for another one in the batch to store a checkpoint it shares
@@ -279,6 +279,12 @@ class _Batch:
         self._decode_only_run = self._decode_only_run + 1 if decode_only else 0
         self.generator.prefill_step_size = 0 if decode_only else prefill_chunk(
             host.cli_args.prefill_step_size, host.decoding())
+        if self.draft_prompts is not None:
+            # Its rows catching up: as much, or a draft call's worth where a
+            # first token is due (short prompts join at once).
+            draft = getattr(generation_batch(self.generator), "draft", None)
+            if draft is not None:
+                draft.chunk = self.generator.prefill_step_size or CATCH_UP_MAX
         tic = time.perf_counter()
         prompt_responses, gen_responses = self.generator.next()
         counters.thread_seconds["model"] += time.perf_counter() - tic
@@ -473,4 +479,13 @@ class _Batch:
         upstream's --prompt-cache-bytes does): the store gives way as they
         grow."""
         store = self.host.store
-        store.trim_to(store.max_bytes - self.host.in_flight_nbytes())
+        in_flight = self.host.in_flight_nbytes()
+        if self.draft_prompts is not None:
+            # (The draft's entries give way first: the model's cost more to
+            # make again, and a draft's are of little use without them.)
+            drafts = self.draft_prompts.store
+            room = store.max_bytes - (in_flight - drafts.nbytes) - store.nbytes
+            if drafts.nbytes > max(0, room):
+                drafts.trim_to(max(0, room))
+                in_flight = self.host.in_flight_nbytes()
+        store.trim_to(store.max_bytes - in_flight)

@@ -92,8 +92,13 @@ class DraftPrompts:
         self.store = store
 
     def fetch(self, tokens: List[int]):
-        """(the draft's cache of the longest stored prefix, or None; its tokens)."""
-        found = self.store.fetch("draft", tokens)
+        """(the draft's cache of the longest stored prefix, or None; its
+        tokens). A failure (out of memory) is a miss."""
+        try:
+            found = self.store.fetch("draft", tokens)
+        except Exception:
+            logging.exception(f"Could not read a draft entry for {len(tokens)} tokens")
+            return None, 0
         return found.cache, found.cached
 
     def put(self, tokens: List[int], cache: List[Any]):
@@ -117,7 +122,9 @@ class DraftRows:
         # (Tokens the served model has logits for: a draft with a larger
         # vocabulary never proposes one past them.)
         self.vocab = vocab
-        self.chunk = max(1, chunk)  # tokens a step catches up (catch_up)
+        # Tokens a step catches up (catch_up): the chunk a prompt gets this
+        # step (the runner sets it each step; 0 where a first token is due).
+        self.chunk = chunk
         self.prompts = prompts
         self.cost = cost  # (a StepCost) seconds of drafting by tokens drafted
         self.cache: Optional[List[BatchKVCache]] = None
@@ -125,6 +132,8 @@ class DraftRows:
         self.fed: List[int] = []  # per draft row: its row's tokens in its KV
         # Rows catching up alone: uid -> [their draft cache, tokens in it].
         self.joining: Dict[int, list] = {}
+        # What the store gave each row that joined (not stored again as is).
+        self.fetched: Dict[int, int] = {}
         self._drafted = 0  # tokens each draft row drafted in the step being checked
         self._proposing: List[bool] = []  # per draft row, in that step
 
@@ -147,6 +156,7 @@ class DraftRows:
             if cache is None:
                 cache, cached = make_prompt_cache(self.model), 0
             self.joining[uid] = [cache, cached]
+            self.fetched[uid] = cached
 
     def catch_up(self, uids: List[int], tokens: List[Tokens]) -> bool:
         """Up to one chunk of tokens through the draft for the rows still
@@ -166,7 +176,7 @@ class DraftRows:
                 mx.eval([c.state for c in cache])
                 budget -= stop - fed
                 ran = True
-            if _length(row) - stop > CATCH_UP_MAX:
+            if _length(row) - stop >= CATCH_UP_MAX:
                 self.joining[uid][1] = stop
                 continue
             del self.joining[uid]
@@ -187,16 +197,20 @@ class DraftRows:
         staying = {uids[i] for i in keep}
         rows = {uid: i for i, uid in enumerate(uids)}
         storing = self.prompts is not None and tokens is not None
+
+        def leaves(uid, cache, fed):
+            # (Stored where it holds more than the store gave it.)
+            if storing and uid in rows and fed > self.fetched.get(uid, 0):
+                self._store(cache(), fed, tokens[rows[uid]])
+            self.fetched.pop(uid, None)
+
         for uid in [u for u in self.joining if u not in staying]:
             cache, fed = self.joining.pop(uid)
-            if storing and uid in rows:
-                self._store(cache, fed, tokens[rows[uid]])
+            leaves(uid, lambda: cache, fed)
         stays = [j for j, uid in enumerate(self.order) if uid in staying]
-        if storing:
-            for j, uid in enumerate(self.order):
-                if uid not in staying and uid in rows:
-                    self._store([c.extract(j) for c in self.cache], self.fed[j],
-                                tokens[rows[uid]])
+        for j, uid in enumerate(self.order):
+            if uid not in staying:
+                leaves(uid, lambda: [c.extract(j) for c in self.cache], self.fed[j])
         if len(stays) == len(self.order):
             return
         self.order = [self.order[j] for j in stays]

@@ -35,10 +35,12 @@ class EngineFigures:
 
     @property
     def draft_model(self) -> Dict[str, int]:
-        """A draft model's figures over finished requests (drafting.py)."""
+        """A draft model's figures over finished requests (drafting.py), and
+        the bytes of the drafts' own prompt stores now."""
         c = self.counters
         return {"proposed_tokens": c.draft_proposed, "accepted_tokens": c.draft_accepted,
-                "verify_steps": c.draft_steps}
+                "verify_steps": c.draft_steps,
+                "cache_bytes": sum(store.nbytes for store in self._draft_stores())}
 
     @property
     def embedding_stats(self) -> Dict[str, int]:

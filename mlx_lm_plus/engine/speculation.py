@@ -211,6 +211,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
         looking = [lookup is not None and lookup.ready() for lookup in lookups]
+        if self.draft is not None:  # (rows still catching up propose nothing)
+            joined = set(self.draft.order)
+            looking = [look and uid in joined for look, uid in zip(looking, self.uids)]
         if not any(looking) and not self.carried:
             # (Upstream's step, its next token computed while this returns:
             # the pending tokens are not waited for.)

@@ -152,6 +152,10 @@ class _LiveCollector:
                     (CounterMetricFamily, f"{source}_verify_steps",
                      "Batch steps that checked a request's proposals", figures["verify_steps"]),
                 ]
+                if "cache_bytes" in figures:
+                    single.append((GaugeMetricFamily, f"{source}_cache_bytes",
+                                   "Bytes of the draft models' own prompt caches",
+                                   figures["cache_bytes"]))
         if m.connections is not None:
             single += [
                 (GaugeMetricFamily, "http_connections", "Open HTTP connections",

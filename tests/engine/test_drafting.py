@@ -81,8 +81,8 @@ def test_greedy_text_and_logprobs_are_those_without_a_draft(
 def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     """Rows arriving while others decode (their prompts run through the
     draft as they join, one step behind the others' feeds) beside a row
-    that never proposes (a schema: never fed, padded in every draft call)
-    (it has no draft row) and rows leaving at different times: with the model as its own draft,
+    that never proposes (a schema: it has no draft row) and rows leaving at
+    different times: with the model as its own draft,
     proposals are its argmax wherever the draft's KV holds exactly each
     row's tokens, so nearly all are kept; a position lost, repeated or left
     in the draft's KV (catching up, rows padded to one width, trimming
@@ -130,6 +130,10 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     # joined late, one token behind the others.)
     assert padded
     assert held and all(0 < draft < owned for draft, owned in held)
+    # (Its store, once rows left: in the batch's bytes too.)
+    batch = itself.engine._batches[itself.loaded.key]
+    stored = batch.draft_prompts.store.nbytes
+    assert stored > 0 and batch.owned_nbytes() >= stored
 
 
 def test_a_client_gone_mid_draft_leaves_the_others_exact(runners, monkeypatch):
@@ -261,7 +265,20 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
     model, _ = load(str(fixture_path("qwen3")))
     monkeypatch.setattr(drafting, "CATCH_UP_MAX", 3)
     rng = random.Random(3)
-    draft = drafting.DraftRows(model, chunk=5, cost=speculation.DraftCost())
+    class Recording:  # (DraftPrompts' part DraftRows uses: a store that records)
+        nbytes = 0
+
+        def __init__(self):
+            self.put_calls = []
+
+        def fetch(self, tokens):
+            return None, 0
+
+        def put(self, tokens, cache):
+            self.put_calls.append((list(tokens), cache))
+
+    prompts = Recording()
+    draft = drafting.DraftRows(model, chunk=5, cost=speculation.DraftCost(), prompts=prompts)
     uids = [10, 11, 12]
     rows = [[rng.randrange(500) for _ in range(n)] for n in (7, 19, 3)]
     carried = [[], [], []]
@@ -301,16 +318,37 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
                 whole += [rng.randrange(500) for _ in range(rng.randint(1, 4))]
             cut = len(whole) - rng.choice([0, 0, 1, 2])
             rows[i], carried[i] = whole[:cut], whole[cut:]
-        if step == 15:  # the row that never proposes leaves, one joins
-            keep = [0, 1]
-            draft.filter(uids, keep)
-            uids, rows, carried, proposing = ([x[i] for i in keep]
+        leave = {15: [0, 1], 19: [0, 1], 30: [1, 2]}.get(step)
+        if leave is not None:
+            # 15: the row that never proposes leaves, a long one joins;
+            # 19: that one leaves while catching up, another joins;
+            # 30: the first row leaves, joined. Each leaving row's draft KV
+            # is stored under the tokens it holds.
+            gone = [i for i in range(len(uids)) if i not in leave]
+            for i in gone:  # (as a stop word trims a finished row's tokens)
+                rows[i], carried[i] = (rows[i] + carried[i])[:-2], []
+            known = [(r, c) for r, c in zip(rows, carried)]
+            held = {}
+            for i in gone:
+                if uids[i] in draft.joining:
+                    held[i] = draft.joining[uids[i]][1]
+                elif uids[i] in draft.order:
+                    held[i] = draft.fed[draft.order.index(uids[i])]
+            stored = len(prompts.put_calls)
+            draft.filter(uids, leave, known)
+            for (key, cache), i in zip(prompts.put_calls[stored:], [i for i in gone if held.get(i)]):
+                whole = rows[i] + carried[i]
+                assert key == whole[:min(held[i], len(whole))]
+                same(cache, key)
+            assert len(prompts.put_calls) - stored == sum(1 for i in gone if held.get(i))
+            uids, rows, carried, proposing = ([x[i] for i in leave]
                                               for x in (uids, rows, carried, proposing))
-            uids.append(13)
-            rows.append([rng.randrange(500) for _ in range(23)])
+            uids.append(13 + step)
+            rows.append([rng.randrange(500) for _ in range(60)])
             carried.append([])
             proposing.append(True)
             draft.extend(uids[-1:], rows[-1:], [True])
+        assert set(draft.joining) | set(draft.order) <= set(uids)
         for i, uid in enumerate(uids):
             whole = rows[i] + carried[i]
             if uid in draft.joining:
@@ -322,7 +360,7 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, mo
                 same([c.extract(j) for c in draft.cache], whole[:draft.fed[j]])
             else:
                 assert not proposing[i]
-    assert proposed > 20 and caught_up >= 4 and not draft.joining
+    assert proposed > 20 and caught_up >= 4 and len(prompts.put_calls) >= 2
 
 
 def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, monkeypatch):
@@ -365,6 +403,58 @@ def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, 
     proposed, accepted, _ = (a - b for a, b in zip(figures(itself), before))
     assert accepted >= 0.97 * proposed > 0
     itself.store.check_invariants()
+    assert itself.engine.draft_model["cache_bytes"] > 0
+    itself.engine.clear_cache()  # (DELETE /v1/cache: the draft's too)
+    assert itself.engine.draft_model["cache_bytes"] == 0
+
+
+def test_a_long_prompt_catches_up_through_the_draft_a_chunk_a_step(fixture_path, monkeypatch):
+    """A row with a long prompt runs it through the draft a decode-time
+    chunk a step (32 here, 64 where a first token is due), alone, while
+    another streams: it proposes
+    nothing until it has joined (no width chosen for it meanwhile), then
+    its proposals are kept (its draft KV is its prompt's); both write what
+    they write without a draft."""
+    model = fixture_path("qwen3")
+    argv = ["--prefill-step-size", "32"]
+    off, on = EngineRunner(model, argv=argv), EngineRunner(model, argv=argv + draft_argv(model))
+    try:
+        checked_always(monkeypatch)
+        fed, empty = [], []
+        real_catch_up, real_propose = drafting.DraftRows.catch_up, drafting.DraftRows.propose
+
+        def catch_up(self, uids, tokens):
+            before = {u: f for u, (_, f) in self.joining.items()}
+            joined = dict(zip(self.order, self.fed))
+            out = real_catch_up(self, uids, tokens)
+            after = {**{u: f for u, (_, f) in self.joining.items()},
+                     **{u: f for u, f in zip(self.order, self.fed) if u not in joined}}
+            fed.append(sum(after[u] - f for u, f in before.items()))
+            return out
+
+        def propose(self, *a):
+            empty.append(not self.order)
+            return real_propose(self, *a)
+
+        monkeypatch.setattr(drafting.DraftRows, "catch_up", catch_up)
+        monkeypatch.setattr(drafting.DraftRows, "propose", propose)
+        bodies = [chat("Stream on about the sea.", max_tokens=150)] + [
+            chat(f"A long one, {k}. " + " ".join(f"item {i} of the list" for i in range(120)),
+                 max_tokens=60) for k in range(2)]
+        reference = run(off, bodies)
+        first = on.submit(bodies[0])
+        time.sleep(0.3)  # (the first decoding when the long ones come)
+        later = [on.submit(body) for body in bodies[1:]]
+        assert [c.result()[0] for c in [first] + later] == [t for t, _, _ in reference]
+        # (32 a step for both long ones together; a draft call's worth, 64,
+        # in the steps where a first token is due and prompts get no chunk)
+        assert max(fed) <= drafting.CATCH_UP_MAX and sum(f > 0 for f in fed) >= 8, fed
+        assert not any(empty)
+        proposed, accepted, _ = figures(on)
+        assert accepted >= 0.97 * proposed > 100
+    finally:
+        off.close()
+        on.close()
 
 
 def test_the_drafts_store_leaves_the_models_alone(fixture_path):
