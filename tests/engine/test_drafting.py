@@ -500,3 +500,40 @@ def test_a_huge_num_draft_tokens_is_cut(runners, monkeypatch):
     body = chat("A long one, please.", max_tokens=30, num_draft_tokens=10 ** 9)
     assert itself.run(body)[0] == off.run(body)[0]
     assert made == [drafting.MAX_DRAFT_TOKENS]
+
+
+def test_a_drafting_call_stays_within_its_positions(fixture_path, monkeypatch):
+    """Rows x width of a draft call stays within MAX_POSITIONS (its logits):
+    24 rows far behind each feed at most 512 // 24 a call, and catch up
+    over several."""
+    from mlx_lm import load
+
+    model, _ = load(str(fixture_path("qwen3")))
+    widths = []
+
+    class Counting:  # (the draft model, its calls' shapes seen)
+        def __call__(self, inputs, cache=None):
+            widths.append(inputs.shape)
+            return model(inputs, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    draft = drafting.DraftRows(Counting(), chunk=10 ** 6, cost=speculation.DraftCost())
+    uids = list(range(24))
+    rows = [[(7 * u + i) % 500 for i in range(5)] for u in uids]
+    draft.extend(uids, rows, [True] * 24)
+    assert draft.catch_up(uids, [(r, ()) for r in rows]) and draft.order == uids
+    rows = [r + [(3 * i) % 500 for i in range(60)] for r in rows]  # (all 60 behind)
+    widths.clear()
+    pending = mx.array([1] * 24, dtype=mx.uint32)
+    made = []
+    for _ in range(3):
+        made.append(draft.propose(uids, [(r, ()) for r in rows], pending, [2] * 24))
+        draft.settle(uids, [0] * 24)
+    assert widths and all(b * w <= drafting.MAX_POSITIONS for b, w in widths), widths
+    # (21 a call, twice, proposing nothing; then the last 19 and the pending
+    # token, and proposals)
+    assert widths[:2] == [(24, drafting.MAX_POSITIONS // 24)] * 2
+    assert not any(made[0] + made[1]) and all(made[2])
+    assert draft.fed == [len(rows[0]) + 1] * 24
