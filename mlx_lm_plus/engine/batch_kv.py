@@ -1,11 +1,16 @@
-"""Positions dropped from the rows of a BatchKVCache after the fact, for
-speculation: positions a row wrote but did not keep, at the end of its KV,
-are rolled into its left padding (masked from then on, overwritten later),
-as BatchKVCache.finalize does for a right-padded prompt."""
+"""Positions of a batch's speculative calls: at most MAX_POSITIONS a call,
+and those a row wrote but did not keep, at the end of its KV, rolled into
+its left padding (masked from then on, overwritten later), as
+BatchKVCache.finalize does for a right-padded prompt."""
 
 from typing import List
 
 import mlx.core as mx
+
+# Most positions (rows x width) one checking or drafting call computes: its
+# logits are positions x vocabulary floats (512 x 152k: 311 MB), not in any
+# budget.
+MAX_POSITIONS = 512
 
 
 def roll_into_padding(caches: List, padding: List[int]):

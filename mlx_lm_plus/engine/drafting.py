@@ -37,13 +37,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
-from mlx_lm_plus.engine.batch_kv import roll_into_padding
+from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, roll_into_padding
 
 # Most tokens a draft row feeds in one drafting step: a row behind by more
 # (it waited many steps) catches up over several and proposes once caught
 # up. Rows x width of a call stays within MAX_POSITIONS (its logits).
 CATCH_UP_MAX = 64
-MAX_POSITIONS = 512
 # Most proposals a row of a draft makes in a step (a request's
 # num_draft_tokens is cut to it: the row's lists and the check's widths
 # follow it).

@@ -62,7 +62,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from mlx_lm_plus.engine import rollback, taps
-from mlx_lm_plus.engine.batch_kv import roll_into_padding
+from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, roll_into_padding
 from mlx_lm_plus.engine.drafting import DraftPrompts, DraftRows
 from mlx_lm_plus.engine.lookup import RowLookup
 from mlx_lm_plus.engine.sampling import RowSampling
@@ -72,9 +72,6 @@ from mlx_lm_plus.upstream import (WRITTEN_FOR, generation_batch, generation_batc
 from mlx_lm_plus.patches.batched_logits_processors import process_rows
 
 CARRY_MAX = 8  # tokens a row may carry to the next step (see _verify)
-# Most positions (rows x width) one checking step computes: its logits are
-# positions x vocabulary floats (512 x 152k: 311 MB), not in any budget.
-MAX_POSITIONS = 512
 UNPAID_WAIT = 4  # steps a row waits after proposals not worth checking
 EXPLORE_EVERY = 256  # steps without a check before one is made regardless
 # How much longer than a plain step a checking step may be predicted to take
@@ -225,7 +222,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             proposals = [[0] * min(lookup.length, room) if look else []
                          for lookup, look, room in zip(lookups, looking, rooms)]
         fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
-        states_cap = rollback.widest(self.prompt_cache)
+        states_cap = None if self.recorder is None else rollback.widest(self.prompt_cache)
         if states_cap is not None:  # (recurrent states held per position)
             proposals = [p[:max(0, states_cap - max(fed))] for p in proposals]
         if any(proposals):
@@ -298,7 +295,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         is_pending = mx.arange(width)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, self._next_tokens[:, None].astype(mx.uint32), known)
         taps = None
-        if rollback.recurrent_layers(self.prompt_cache):
+        if self.recorder is not None and rollback.recurrent_layers(self.prompt_cache):
             taps = rollback.StateTaps(self.recorder, self.prompt_cache, width)
             taps.open()
         try:

@@ -142,21 +142,14 @@ def install(model) -> Optional[Recorder]:
     if recorder is not None or hasattr(model, "_tap_recorder"):
         return recorder
     recorder = None
-    try:
-        kinds = [type(c) for c in make_prompt_cache(model)]
-    except Exception:
-        kinds = []
-    # (Rotating windows and chunked KV do not hold a prefix of the end.)
-    if ArraysCache in kinds and not all(k is ArraysCache or _holds_prefix(k) for k in kinds):
+    kinds = _cache_kinds(model)
+    if ArraysCache in kinds and not _tappable(kinds):
         logging.info("Checkpoints inside prompt chunks: off for layers of kinds "
                      f"{sorted({k.__name__ for k in kinds})}; one model call each")
     elif ArraysCache in kinds:
         recorder = Recorder()
         mixers = _innermost_cache_takers(model)
-        originals = [type(m) for m in mixers]
-        for mixer in mixers:
-            mixer.__class__ = _tapped_class(type(mixer))
-            object.__setattr__(mixer, "_tap_recorder", recorder)
+        originals = _tap(mixers, recorder)
         try:
             agrees = _probe(model, recorder)
         except Exception as e:
@@ -187,17 +180,34 @@ def install_for_checking(model) -> Optional[Recorder]:
         return recorder
     if hasattr(model, "_check_recorder"):
         return model._check_recorder
-    try:
-        kinds = [type(c) for c in make_prompt_cache(model)]
-    except Exception:
-        kinds = []
-    if ArraysCache in kinds and all(k is ArraysCache or _holds_prefix(k) for k in kinds):
+    kinds = _cache_kinds(model)
+    if ArraysCache in kinds and _tappable(kinds):
         recorder = Recorder()
-        for mixer in _innermost_cache_takers(model):
-            mixer.__class__ = _tapped_class(type(mixer))
-            object.__setattr__(mixer, "_tap_recorder", recorder)
+        _tap(_innermost_cache_takers(model), recorder)
     object.__setattr__(model, "_check_recorder", recorder)
     return recorder
+
+
+def _cache_kinds(model) -> List[type]:
+    try:
+        return [type(c) for c in make_prompt_cache(model)]
+    except Exception:
+        return []
+
+
+def _tappable(kinds: List[type]) -> bool:
+    """Recurrent layers beside layers holding a prefix of the sequence
+    (rotating windows and chunked KV do not hold a prefix of the end)."""
+    return all(k is ArraysCache or _holds_prefix(k) for k in kinds)
+
+
+def _tap(mixers, recorder: Recorder) -> List[type]:
+    """Make `mixers` tappable by `recorder`; their classes before."""
+    originals = [type(m) for m in mixers]
+    for mixer in mixers:
+        mixer.__class__ = _tapped_class(type(mixer))
+        object.__setattr__(mixer, "_tap_recorder", recorder)
+    return originals
 
 
 def _holds_prefix(kind: type) -> bool:
