@@ -88,11 +88,13 @@ class OpTimer:
         def linear_kind(module):
             return _kind_of_linear(timer.paths.get(id(module), ""))
 
-        for cls in (nn.Linear, nn.QuantizedLinear):
+        from mlx_lm_plus.models.cpu_decode import DecodeEmbedding, DecodeLinear
+
+        for cls in (nn.Linear, nn.QuantizedLinear, DecodeLinear):
             wrap(cls, "__call__", linear_kind)
         for cls in (nn.RMSNorm, nn.LayerNorm):
             wrap(cls, "__call__", lambda m: NORMS)
-        for cls in (nn.Embedding, nn.QuantizedEmbedding):
+        for cls in (nn.Embedding, nn.QuantizedEmbedding, DecodeEmbedding):
             wrap(cls, "__call__", lambda m: EMBEDDING)
             wrap(cls, "as_linear", lambda m: LM_HEAD)  # (a tied LM head)
         ropes = {type(m) for _, m in model.named_modules() if "rope" in type(m).__name__.lower()}

@@ -12,6 +12,7 @@ from mlx_lm.server import get_system_fingerprint
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from mlx_lm_plus.models.cpu import log_blas
+from mlx_lm_plus.native import log_kernels
 from mlx_lm_plus.protocols.anthropic import AnthropicProtocol
 from mlx_lm_plus.http.server import RUNNER_OPTIONS, Server, make_app
 from mlx_lm_plus.cache.store import PromptStore, default_budget
@@ -120,6 +121,7 @@ async def _drain(server: Server, timeout: float):
 def run(cli_args):
     maybe_set_recommended_wired_limit()
     log_blas()
+    log_kernels()
     engine, server = build(cli_args)
     engine.start()
     if mx.distributed.init().rank() != 0:

@@ -6,8 +6,9 @@ module and the line.
     protocols/  wire shapes, no I/O     -> planning
     engine/     the generation thread   -> planning, cache, models
     planning/   per-request CPU work    -> models
-    models/     loading models          -> cache
+    models/     loading models          -> cache, native
     cache/      a library               -> nothing of ours
+    native/     our CPU kernels         -> nothing of ours
 
 Every room may use the package's leaf modules (errors, logs, upstream,
 codec); only app.py (the wiring) imports http/, and config/ (the flags,
@@ -28,12 +29,13 @@ ALLOWED = {
     "protocols": {"planning"},
     "engine": {"planning", "cache", "models", "patches"},
     "planning": {"models"},
-    "models": {"cache"},
+    "models": {"cache", "native"},
     "cache": set(),
+    "native": set(),
     "patches": set(),
     "errors": set(), "logs": set(), "upstream": set(), "codec": set(),
     # The wiring, the configuration and the command line.
-    "app": {"http", "protocols", "engine", "planning", "models", "cache", "config"},
+    "app": {"http", "protocols", "engine", "planning", "models", "cache", "config", "native"},
     "config": {"models"},
     "server": {"app", "config", "models"},
     "__main__": {"server"},

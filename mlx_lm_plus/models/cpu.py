@@ -146,6 +146,15 @@ def float32_bytes(model) -> int:
     return total + sum(v.size * 4 if _floating(v) else v.nbytes for _, v in params)
 
 
+def converted_bytes(model) -> int:
+    """The bytes `model`'s weights take once weights_for_cpu converted them:
+    float32, and the quantized forms kept beside them for decode
+    (cpu_decode.py)."""
+    from mlx_lm_plus.models.cpu_decode import forms_nbytes, quantized_forms
+
+    return float32_bytes(model) + forms_nbytes(quantized_forms(model))
+
+
 def _floating(v) -> bool:
     import mlx.core as mx
 
@@ -166,10 +175,15 @@ def weights_for_cpu(model, keep: bool = False,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
+    from mlx_lm_plus.models.cpu_decode import keep_quantized_forms, quantized_forms
+
     def nbytes():
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
-    before, after = nbytes(), float32_bytes(model)
+    # Decode steps keep reading the quantized weights where our kernel can
+    # (cpu_decode.py): they stay beside the float32 ones.
+    forms = quantized_forms(model)
+    before, after = nbytes(), converted_bytes(model)
     if after == before:
         return None  # (float32 already)
     if room is not None and after > room:
@@ -182,15 +196,18 @@ def weights_for_cpu(model, keep: bool = False,
            for _, m in model.named_modules()):
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
+    keep_quantized_forms(model, forms)  # (after: their scales keep their dtype)
     mx.eval(model.parameters())
     return nbytes() - before
 
 
-def weights_identity(model_converted: bool) -> str:
+def weights_identity(model_converted: bool, decode_native: bool = False) -> str:
     """What a disk tier's identity adds for how this process computes on the
-    CPU: KV computed from float32 weights or on another BLAS differs in its
-    last bits from the quantized model's, and would be read back as its."""
+    CPU: KV computed from float32 weights, on another BLAS or by our decode
+    kernel (cpu_decode.py) differs in its last bits from the quantized
+    model's, and would be read back as its."""
     if not on_cpu():
         return ""
     blas = os.path.basename(FAST_BLAS) if FAST_BLAS else "bundled"
-    return f",cpu_blas={blas}" + (",weights=float32" if model_converted else "")
+    return (f",cpu_blas={blas}" + (",weights=float32" if model_converted else "")
+            + (",decode=native" if decode_native else ""))

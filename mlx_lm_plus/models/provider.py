@@ -27,7 +27,9 @@ import mlx.nn as nn
 import mlx_lm.server as upstream
 from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
+from mlx_lm_plus import native
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
+from mlx_lm_plus.models.cpu_decode import has_quantized_forms
 from mlx_lm_plus.models.embedders import folder_task, load_embedder, local_folder
 from mlx_lm_plus.models.served import ServedModel, resolved_path, served_set
 from mlx_lm_plus.models.folders import (
@@ -123,6 +125,7 @@ class LoadedModel(UpstreamModelProvider):
         # Bytes its weights may take (cpu.weights_for_cpu; None: no bound).
         self.room_for_weights = room_for_weights
         self.weights_float32 = False
+        self.weights_decode_native = False  # (cpu_decode.py)
         self._load(*key)
         # Loaded on the loader thread and used on the generation thread: an
         # array left unevaluated here belongs to this thread's stream, and
@@ -205,8 +208,11 @@ class LoadedModel(UpstreamModelProvider):
         grown = weights_for_cpu(model, self.cli_args.keep_quantized,
                                 getattr(self, "room_for_weights", None))
         self.weights_float32 = grown is not None
+        self.weights_decode_native = has_quantized_forms(model)
         if grown is not None:
-            logging.info(f"{model_path}: weights as float32 for the CPU's BLAS "
+            decode = (", the quantized ones kept for decode steps (mlx_lm_plus.native)"
+                      if self.weights_decode_native else "")
+            logging.info(f"{model_path}: weights as float32 for the CPU's BLAS{decode} "
                          f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
         return grown
 
@@ -477,8 +483,10 @@ class ModelProvider:
     def _widening(self, path) -> int:
         """How many times its size on disk a model's weights take once
         loaded: float32 on a CPU with a fast BLAS (cpu.weights_for_cpu)
-        widens quantized and half-precision ones. (Once loaded, the size
-        measured replaces the estimate: `add`.)"""
+        widens quantized and half-precision ones, and 4- and 8-bit ones
+        stay beside them for decode where our kernels are built
+        (cpu_decode.py). (Once loaded, the size measured replaces the
+        estimate: `add`.)"""
         if not converts(self.cli_args.keep_quantized):
             return 1
         try:
@@ -487,7 +495,8 @@ class ModelProvider:
             return 1
         bits = (config.get("quantization") or {}).get("bits") if isinstance(config, dict) else None
         if isinstance(bits, int) and bits > 0:
-            return max(1, 32 // bits)
+            kept = bits in (4, 8) and native.kernels() is not None
+            return max(1, 32 // bits) + kept
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
         return 2 if dtype in ("bfloat16", "float16") else 1
 

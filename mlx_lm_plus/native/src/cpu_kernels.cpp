@@ -1,0 +1,332 @@
+// mlx_lm_plus's CPU kernels, an MLX extension (see ../__init__.py for why).
+//
+// quantized_matvec(x, w, scales, biases, group_size, bits):
+//   x @ dequantize(w, scales, biases).T for a few rows of x (decode steps),
+//   with MLX's affine quantization (mx.quantize's layout: `bits`-bit values
+//   packed low bits first in uint32s along K, a scale and a bias per
+//   `group_size` values). The weights are read once for all rows, as packed
+//   bytes: the point (decode on a CPU is bound by the bytes read per token,
+//   and MLX 0.32's CPU quantized_matmul reads them 4x slower than its
+//   float32 BLAS matvec reads 8x the bytes).
+//
+//   Per output n and group g: scale * dot(q, x_g) + bias * sum(x_g), in
+//   float32 (equal to x @ (scale * q + bias) up to rounding). Each row of x
+//   is computed alone, the same way whatever other rows are in the call: a
+//   row's result does not depend on its batch.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "mlx/version.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+// The most rows of x one call takes (its accumulators live on the stack).
+constexpr int MAX_ROWS = 16;
+
+namespace {
+
+// Weights of at least this many values are split over the OpenMP threads;
+// smaller ones run on MLX's CPU stream thread alone (waking threads for a
+// few microseconds of work cost more than it saved).
+constexpr int64_t PARALLEL_VALUES = 1 << 16;
+
+// Scales and biases to float, one per group. MLX's float16_t converts in
+// software on x86 (a third of a 4-bit decode step's time on the demo model);
+// the compiler's _Float16 uses the CPU's instruction (F16C) where it has one.
+inline float to_float(float v) {
+  return v;
+}
+
+inline float to_float(mx::float16_t v) {
+#ifdef __FLT16_MAX__
+  _Float16 h;
+  std::memcpy(&h, &v, sizeof(h));
+  return static_cast<float>(h);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+inline float to_float(mx::bfloat16_t v) {
+  uint16_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// 16 lanes, written out (GCC/Clang vector extensions) rather than left to
+// the auto-vectorizer: every row then runs the same instructions in the same
+// order, whatever M, and no float sum is reassociated (a row's result must
+// not depend on its batch).
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// Bytes to floats by way of int32 (GCC 12 converts bytes to floats a lane
+// at a time; through int32 it widens and converts in two vector steps).
+inline f32x16 to_floats(u8x16 b) {
+  return __builtin_convertvector(__builtin_convertvector(b, i32x16), f32x16);
+}
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum16(f32x16 v) {
+  float t = 0.f;
+  for (int i = 0; i < 16; i++) {
+    t += v[i];
+  }
+  return t;
+}
+
+// The rows of x split per group into even and odd positions (a 4-bit byte
+// holds an even position in its low nibble, the next in its high one).
+struct SplitRows {
+  std::vector<float> even, odd;
+};
+
+SplitRows split_rows(const float* x, int M, int K) {
+  SplitRows s;
+  s.even.resize(size_t(M) * K / 2);
+  s.odd.resize(size_t(M) * K / 2);
+  for (size_t i = 0; i < size_t(M) * K / 2; i++) {
+    s.even[i] = x[2 * i];
+    s.odd[i] = x[2 * i + 1];
+  }
+  return s;
+}
+
+// Each row's sum of x per group (for the biases).
+std::vector<float> group_sums(const float* x, int M, int K, int gs) {
+  std::vector<float> sums(size_t(M) * (K / gs));
+  for (size_t r = 0; r < sums.size(); r++) {
+    float t = 0.f;
+    for (int k = 0; k < gs; k++) {
+      t += x[r * gs + k];
+    }
+    sums[r] = t;
+  }
+  return sums;
+}
+
+
+template <int gs, typename T>
+void qmv4(const float* x, const uint8_t* w, const T* scales, const T* biases,
+          float* out, int M, int N, int K) {
+  constexpr int C = gs / 32;  // 16 bytes (32 values) a chunk
+  const int G = K / gs;
+  SplitRows s = split_rows(x, M, K);
+  std::vector<float> sums = group_sums(x, M, K, gs);
+  const float* xe = s.even.data();
+  const float* xo = s.odd.data();
+  const float* xs = sums.data();
+#pragma omp parallel for schedule(static) if (int64_t(N) * K >= PARALLEL_VALUES)
+  for (int n = 0; n < N; n++) {
+    const uint8_t* wr = w + size_t(n) * K / 2;
+    // Per row: scale * (its group's dot, lane by lane) summed over groups in
+    // 16 lanes, added up once at the end; bias * sum(x) apart.
+    f32x16 acc[MAX_ROWS] = {};
+    float acc_bias[MAX_ROWS] = {0};
+    for (int g = 0; g < G; g++) {
+      f32x16 lo[C], hi[C];
+      for (int c = 0; c < C; c++) {
+        u8x16 b;
+        std::memcpy(&b, wr + g * (gs / 2) + c * 16, 16);
+        lo[c] = to_floats(b & 0x0f);
+        hi[c] = to_floats(b >> 4);
+      }
+      const float scale = to_float(scales[size_t(n) * G + g]);
+      const float bias = to_float(biases[size_t(n) * G + g]);
+      for (int m = 0; m < M; m++) {
+        const float* e = xe + size_t(m) * K / 2 + g * (gs / 2);
+        const float* o = xo + size_t(m) * K / 2 + g * (gs / 2);
+        f32x16 v = lo[0] * load16(e) + hi[0] * load16(o);
+        for (int c = 1; c < C; c++) {
+          v += lo[c] * load16(e + 16 * c) + hi[c] * load16(o + 16 * c);
+        }
+        acc[m] += v * scale;
+        acc_bias[m] += bias * xs[size_t(m) * G + g];
+      }
+    }
+    for (int m = 0; m < M; m++) {
+      out[size_t(m) * N + n] = sum16(acc[m]) + acc_bias[m];
+    }
+  }
+}
+
+template <int gs, typename T>
+void qmv8(const float* x, const uint8_t* w, const T* scales, const T* biases,
+          float* out, int M, int N, int K) {
+  constexpr int C = gs / 16;  // 16 values a chunk
+  const int G = K / gs;
+  std::vector<float> sums = group_sums(x, M, K, gs);
+  const float* xs = sums.data();
+#pragma omp parallel for schedule(static) if (int64_t(N) * K >= PARALLEL_VALUES)
+  for (int n = 0; n < N; n++) {
+    const uint8_t* wr = w + size_t(n) * K;
+    f32x16 acc[MAX_ROWS] = {};  // (as qmv4's)
+    float acc_bias[MAX_ROWS] = {0};
+    for (int g = 0; g < G; g++) {
+      f32x16 q[C];
+      for (int c = 0; c < C; c++) {
+        u8x16 b;
+        std::memcpy(&b, wr + g * gs + c * 16, 16);
+        q[c] = to_floats(b);
+      }
+      const float scale = to_float(scales[size_t(n) * G + g]);
+      const float bias = to_float(biases[size_t(n) * G + g]);
+      for (int m = 0; m < M; m++) {
+        const float* xr = x + size_t(m) * K + g * gs;
+        f32x16 v = q[0] * load16(xr);
+        for (int c = 1; c < C; c++) {
+          v += q[c] * load16(xr + 16 * c);
+        }
+        acc[m] += v * scale;
+        acc_bias[m] += bias * xs[size_t(m) * G + g];
+      }
+    }
+    for (int m = 0; m < M; m++) {
+      out[size_t(m) * N + n] = sum16(acc[m]) + acc_bias[m];
+    }
+  }
+}
+
+template <typename T>
+void dispatch(int bits, int gs, const float* x, const uint8_t* w, const T* s,
+              const T* b, float* out, int M, int N, int K) {
+#define CASE(BITS, GS)                          \
+  if (bits == BITS && gs == GS) {               \
+    return qmv##BITS<GS, T>(x, w, s, b, out, M, N, K); \
+  }
+  CASE(4, 32) CASE(4, 64) CASE(4, 128)
+  CASE(8, 32) CASE(8, 64) CASE(8, 128)
+#undef CASE
+  throw std::invalid_argument("[quantized_matvec] unsupported bits or group size");
+}
+
+}  // namespace
+
+class QuantizedMatvec : public mx::Primitive {
+ public:
+  QuantizedMatvec(mx::Stream stream, int group_size, int bits)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override {
+    auto& x = inputs[0];
+    auto& w = inputs[1];
+    auto& scales = inputs[2];
+    auto& biases = inputs[3];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    int K = x.shape(-1);
+    int N = out.shape(-1);
+    int M = int(x.size() / K);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_input_array(scales);
+    encoder.set_input_array(biases);
+    encoder.set_output_array(out);
+    auto run = [bits = bits_, gs = group_size_, M, N, K,
+                x_ptr = x.data<float>(), w_ptr = w.data<uint8_t>(),
+                out_ptr = out.data<float>()](auto* s, auto* b) {
+      dispatch(bits, gs, x_ptr, w_ptr, s, b, out_ptr, M, N, K);
+    };
+    switch (scales.dtype()) {
+      case mx::float32:
+        encoder.dispatch([run, s = scales.data<float>(), b = biases.data<float>()]() { run(s, b); });
+        break;
+      case mx::float16:
+        encoder.dispatch([run, s = scales.data<mx::float16_t>(),
+                          b = biases.data<mx::float16_t>()]() { run(s, b); });
+        break;
+      case mx::bfloat16:
+        encoder.dispatch([run, s = scales.data<mx::bfloat16_t>(),
+                          b = biases.data<mx::bfloat16_t>()]() { run(s, b); });
+        break;
+      default:
+        throw std::invalid_argument("[quantized_matvec] scales must be floating");
+    }
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[quantized_matvec] CPU only");
+  }
+
+  const char* name() const override { return "QuantizedMatvec"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QuantizedMatvec&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w,
+                           const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[quantized_matvec] CPU only");
+  }
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("[quantized_matvec] x must be float32, w uint32");
+  }
+  if (scales.dtype() != biases.dtype() || !mx::issubdtype(scales.dtype(), mx::floating)) {
+    throw std::invalid_argument("[quantized_matvec] scales and biases: one floating type");
+  }
+  if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2 || x.ndim() < 1) {
+    throw std::invalid_argument("[quantized_matvec] w, scales, biases must be 2-d");
+  }
+  int K = x.shape(-1);
+  int N = w.shape(0);
+  if (int64_t(w.shape(1)) * 32 != int64_t(K) * bits || K % group_size != 0 ||
+      scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      biases.shape() != scales.shape()) {
+    throw std::invalid_argument("[quantized_matvec] shapes do not match");
+  }
+  if (int64_t(x.size()) > int64_t(MAX_ROWS) * K) {
+    throw std::invalid_argument("[quantized_matvec] at most 16 rows");
+  }
+  auto shape = x.shape();
+  shape.back() = N;
+  // Row-contiguous inputs (a no-op where they already are).
+  std::vector<mx::array> inputs = {
+      mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
+      mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantizedMatvec>(stream, group_size, bits),
+                   std::move(inputs));
+}
+
+NB_MODULE(_cpu_kernels, m) {
+  m.doc() = "mlx_lm_plus's CPU kernels (an MLX extension)";
+  m.attr("MAX_ROWS") = MAX_ROWS;
+  m.attr("MLX_VERSION") = mx::version();
+  m.def("quantized_matvec", &quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T for at most MAX_ROWS rows of float32 x.");
+}

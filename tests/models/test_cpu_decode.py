@@ -1,0 +1,168 @@
+"""Decode steps from the quantized weights on a CPU (models/cpu_decode.py)
+through our kernel (mlx_lm_plus/native). (Its speed is the benchmark's:
+`python -m benchmarks run --model-kind demo --workload speed`.)"""
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_lm_plus import native
+from mlx_lm_plus.models import cpu, cpu_decode
+
+kernels = native.kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason=f"no CPU kernels: {native.why_not()}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="scripts/setup builds them on Linux")
+def test_scripts_setup_built_the_kernels_for_this_mlx():
+    assert kernels is not None, native.why_not()
+    assert kernels.MLX_VERSION == mx.__version__
+
+
+def _reference(x, w, scales, biases, group_size, bits):
+    """x @ dequantized(w).T in float64 numpy, from the packed bits."""
+    packed = np.array(w).view(np.uint8)  # (uint32s, little-endian: low bits first)
+    if bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(w.shape[0], -1)
+    else:
+        q = packed.reshape(w.shape[0], -1)
+    s = np.array(scales.astype(mx.float32), dtype=np.float64).repeat(group_size, axis=1)
+    b = np.array(biases.astype(mx.float32), dtype=np.float64).repeat(group_size, axis=1)
+    weight = q * s + b
+    return np.array(x, dtype=np.float64) @ weight.T
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_kernel_equals_the_dequantized_product(bits, group_size, dtype):
+    mx.random.seed(bits * 1000 + group_size)
+    w = mx.random.normal((200, 384))
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    x = mx.random.normal((16, 384))
+    for rows in (1, 3, 8, 16):
+        got = np.array(kernels.quantized_matvec(x[:rows], wq, scales, biases, group_size, bits))
+        want = _reference(x[:rows], wq, scales, biases, group_size, bits)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # MLX's own quantized product agrees too (the layout is mx.quantize's).
+    theirs = mx.quantized_matmul(x[:2], wq, scales.astype(mx.float32), biases.astype(mx.float32),
+                                 transpose=True, group_size=group_size, bits=bits)
+    ours = kernels.quantized_matvec(x[:2], wq, scales.astype(mx.float32),
+                                    biases.astype(mx.float32), group_size, bits)
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
+
+
+@needs_kernels
+def test_a_row_does_not_depend_on_its_batch():
+    w = mx.random.normal((4096, 512))  # (large enough to be split over threads)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((16, 512))
+    together = kernels.quantized_matvec(x, wq, scales, biases, 64, 4)
+    for rows in (1, 2, 5, 16):
+        for r in range(rows):
+            alone = kernels.quantized_matvec(x[r : r + 1], wq, scales, biases, 64, 4)
+            part = kernels.quantized_matvec(x[:rows], wq, scales, biases, 64, 4)
+            assert mx.array_equal(alone[0], part[r]).item()
+            assert mx.array_equal(alone[0], together[r]).item()
+    # (Leading dimensions are rows too: a (batch, 1, K) decode input.)
+    shaped = kernels.quantized_matvec(x[:4, None, :], wq, scales, biases, 64, 4)
+    assert shaped.shape == (4, 1, 4096)
+    assert mx.array_equal(shaped[:, 0], together[:4]).item()
+
+
+@needs_kernels
+def test_bad_arguments_are_refused_not_run():
+    wq, scales, biases = mx.quantize(mx.random.normal((64, 128)), group_size=32, bits=4)
+    x = mx.random.normal((2, 128))
+    bad = [
+        (x.astype(mx.float16), wq, scales, biases, 32, 4),  # x not float32
+        (x, wq, scales, biases, 64, 4),  # group size of other scales
+        (x, wq, scales, biases, 32, 8),  # other bits
+        (x, wq, scales, biases, 48, 4),  # no such group size
+        (mx.random.normal((2, 64)), wq, scales, biases, 32, 4),  # K differs
+        (mx.random.normal((17, 128)), wq, scales, biases, 32, 4),  # too many rows
+        (x, wq.astype(mx.int32), scales, biases, 32, 4),
+        (x, wq, scales, biases.astype(mx.float16), 32, 4),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            mx.eval(kernels.quantized_matvec(*args))
+    # Nothing was harmed: a good call still computes.
+    assert mx.allclose(kernels.quantized_matvec(x, wq, scales, biases, 32, 4),
+                       mx.quantized_matmul(x, wq, scales, biases, group_size=32, bits=4),
+                       rtol=1e-4, atol=1e-4).item()
+
+
+def _quantized(fixture_path):
+    model, tok = load(str(fixture_path("qwen3")))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model, tok
+
+
+@needs_kernels
+def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkeypatch):
+    """weights_for_cpu keeps each quantized layer's weights beside its
+    float32 ones: a decode step's few rows go through the kernel (counted),
+    a prefill's many through float32, and the logits match the quantized
+    model's either way; the bytes kept are counted."""
+    model, tok = _quantized(fixture_path)
+    prompt = mx.array(tok.encode("The harbour master counted seven brass lanterns."))[None]
+    assert prompt.shape[1] > cpu_decode.DECODE_ROWS
+
+    def logits_of(m):
+        cache = make_prompt_cache(m)
+        first = m(prompt, cache=cache)[:, -1]
+        step = m(mx.array([[7]]), cache=cache)[:, -1]
+        return first, step
+
+    quantized_first, quantized_step = logits_of(model)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    need = cpu.converted_bytes(model)
+    grown = cpu.weights_for_cpu(model)
+    from mlx.utils import tree_flatten
+
+    assert grown and sum(v.nbytes for _, v in tree_flatten(model.parameters())) == need
+    layers = [m for _, m in model.named_modules()
+              if isinstance(m, (cpu_decode.DecodeLinear, cpu_decode.DecodeEmbedding))]
+    assert len(layers) == 2 * 7 + 2  # (q, k, v, o, gate, up, down a layer; lm_head; embedding)
+    assert cpu_decode.has_quantized_forms(model)
+
+    calls = []
+    real = kernels.quantized_matvec
+
+    class Counting:
+        def quantized_matvec(self, x, *args):
+            calls.append(x.size // x.shape[-1])
+            return real(x, *args)
+
+    monkeypatch.setattr(cpu_decode.native, "kernels", lambda: Counting())
+    first, step = logits_of(model)
+    assert calls and set(calls) == {1}  # the step's rows; the prompt's went to float32
+    assert len(calls) == len(layers) - 1  # (every linear layer; the embedding looks up)
+    assert mx.allclose(first, quantized_first, atol=1e-4).item()
+    assert mx.allclose(step, quantized_step, atol=1e-4).item()
+
+
+@needs_kernels
+def test_nothing_kept_without_the_kernels_or_with_keep_quantized(fixture_path, monkeypatch):
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    model, _ = _quantized(fixture_path)
+    assert cpu.weights_for_cpu(model, keep=True) is None
+    monkeypatch.setattr(cpu_decode.native, "kernels", lambda: None)
+    assert cpu.weights_for_cpu(model)
+    assert not cpu_decode.has_quantized_forms(model)
+    assert cpu.converted_bytes(model) == cpu.float32_bytes(model)
+
+
+def test_the_disk_tier_knows_decode_runs_on_the_kernel(monkeypatch):
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/usr/lib/x/libopenblas.so.0")
+    assert cpu.weights_identity(True, True) == \
+        ",cpu_blas=libopenblas.so.0,weights=float32,decode=native"
