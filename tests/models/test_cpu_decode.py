@@ -75,6 +75,13 @@ def test_a_row_does_not_depend_on_its_batch():
     shaped = kernels.quantized_matvec(x[:4, None, :], wq, scales, biases, 64, 4)
     assert shaped.shape == (4, 1, 4096)
     assert mx.array_equal(shaped[:, 0], together[:4]).item()
+    # Split over threads (MLX_LM_PLUS_KERNEL_THREADS), the same numbers.
+    kernels.set_threads(2)
+    try:
+        split = kernels.quantized_matvec(x, wq, scales, biases, 64, 4)
+    finally:
+        kernels.set_threads(1)
+    assert mx.array_equal(split, together).item()
 
 
 @needs_kernels

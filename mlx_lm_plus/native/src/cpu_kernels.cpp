@@ -16,6 +16,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -39,9 +40,14 @@ constexpr int MAX_ROWS = 16;
 
 namespace {
 
-// Weights of at least this many values are split over the OpenMP threads;
-// smaller ones run on MLX's CPU stream thread alone (waking threads for a
-// few microseconds of work cost more than it saved).
+// Threads a kernel splits a weight over (set_threads): 1 by default, the
+// MLX CPU stream thread alone. Through the server on 2 cores a decode step
+// was faster on one (44.5 tokens/s on the demo model, against 31-37 on two:
+// the second core is the generation thread's and the event loop's).
+std::atomic<int> kernel_threads{1};
+
+// Weights of fewer values run on one thread (waking others for a few
+// microseconds of work costs more than it saves).
 constexpr int64_t PARALLEL_VALUES = 1 << 16;
 
 // Scales and biases to float, one per group. MLX's float16_t converts in
@@ -134,12 +140,14 @@ void qmv4(const float* x, const uint8_t* w, const T* scales, const T* biases,
           float* out, int M, int N, int K) {
   constexpr int C = gs / 32;  // 16 bytes (32 values) a chunk
   const int G = K / gs;
+  const int threads = kernel_threads.load();
   SplitRows s = split_rows(x, M, K);
   std::vector<float> sums = group_sums(x, M, K, gs);
   const float* xe = s.even.data();
   const float* xo = s.odd.data();
   const float* xs = sums.data();
-#pragma omp parallel for schedule(static) if (int64_t(N) * K >= PARALLEL_VALUES)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && int64_t(N) * K >= PARALLEL_VALUES)
   for (int n = 0; n < N; n++) {
     const uint8_t* wr = w + size_t(n) * K / 2;
     // Per row: scale * (its group's dot, lane by lane) summed over groups in
@@ -178,9 +186,11 @@ void qmv8(const float* x, const uint8_t* w, const T* scales, const T* biases,
           float* out, int M, int N, int K) {
   constexpr int C = gs / 16;  // 16 values a chunk
   const int G = K / gs;
+  const int threads = kernel_threads.load();
   std::vector<float> sums = group_sums(x, M, K, gs);
   const float* xs = sums.data();
-#pragma omp parallel for schedule(static) if (int64_t(N) * K >= PARALLEL_VALUES)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && int64_t(N) * K >= PARALLEL_VALUES)
   for (int n = 0; n < N; n++) {
     const uint8_t* wr = w + size_t(n) * K;
     f32x16 acc[MAX_ROWS] = {};  // (as qmv4's)
@@ -326,6 +336,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx_lm_plus's CPU kernels (an MLX extension)";
   m.attr("MAX_ROWS") = MAX_ROWS;
   m.attr("MLX_VERSION") = mx::version();
+  m.def("set_threads", [](int n) { kernel_threads.store(n < 1 ? 1 : n); }, "n"_a,
+        "The threads a kernel splits a large weight over (OpenMP's; 1 by default).");
   m.def("quantized_matvec", &quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for at most MAX_ROWS rows of float32 x.");
