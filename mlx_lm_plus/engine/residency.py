@@ -222,7 +222,7 @@ class ModelResidency:
         model, adapter, draft = key
         extra = f"bits={self.store.bits},group={self.store.group_size}"
         extra += weights_identity(getattr(lm, "weights_float32", False),
-                                  getattr(lm, "weights_decode_native", False))
+                                  getattr(lm, "native_kernels", False))
         if args.kv_bits is not None:
             extra += (f",kv_bits={args.kv_bits},kv_group={args.kv_group_size},"
                       f"kv_start={args.quantized_kv_start}")

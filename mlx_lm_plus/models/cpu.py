@@ -175,7 +175,8 @@ def weights_for_cpu(model, keep: bool = False,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from mlx_lm_plus.models.cpu_decode import keep_quantized_forms, quantized_forms
+    from mlx_lm_plus.models.cpu_decode import (keep_quantized_forms, quantized_forms,
+                                               use_native_rope)
 
     def nbytes():
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -197,17 +198,18 @@ def weights_for_cpu(model, keep: bool = False,
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
     keep_quantized_forms(model, forms)  # (after: their scales keep their dtype)
+    use_native_rope(model)
     mx.eval(model.parameters())
     return nbytes() - before
 
 
-def weights_identity(model_converted: bool, decode_native: bool = False) -> str:
+def weights_identity(model_converted: bool, native_kernels: bool = False) -> str:
     """What a disk tier's identity adds for how this process computes on the
-    CPU: KV computed from float32 weights, on another BLAS or by our decode
-    kernel (cpu_decode.py) differs in its last bits from the quantized
+    CPU: KV computed from float32 weights, on another BLAS or by our
+    kernels (cpu_decode.py) differs in its last bits from the quantized
     model's, and would be read back as its."""
     if not on_cpu():
         return ""
     blas = os.path.basename(FAST_BLAS) if FAST_BLAS else "bundled"
     return (f",cpu_blas={blas}" + (",weights=float32" if model_converted else "")
-            + (",decode=native" if decode_native else ""))
+            + (",kernels=native" if native_kernels else ""))

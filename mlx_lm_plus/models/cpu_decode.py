@@ -1,8 +1,10 @@
-"""Decode steps on a CPU from the quantized weights, prefill from float32.
+"""Decode steps on a CPU from the quantized weights, prefill from float32,
+and RoPE in one op (our kernels, mlx_lm_plus.native).
 
     forms = quantized_forms(model)      # before cpu.weights_for_cpu dequantizes
     ... dequantize_model(model); model.set_dtype(mx.float32) ...
     keep_quantized_forms(model, forms)  # each such layer now holds both
+    use_native_rope(model)              # nn.RoPE layers -> NativeRoPE
 
 Why two forms: prefill multiplies many rows at once, where float32 weights
 and a BLAS are fastest (cpu.py); a decode step multiplies a few rows, where
@@ -17,6 +19,13 @@ Results equal the float32 path's up to float rounding (the kernel sums
 scale * dot(q, x) + bias * sum(x) per group, where the float32 weight holds
 scale * q + bias rounded), and a row's result does not depend on the other
 rows of its call.
+
+RoPE: MLX 0.32 runs mx.fast.rope on a CPU as a graph of about 20 ops,
+which at one position a call cost a fifth of a decode step once the
+matmuls read quantized weights; NativeRoPE is the same arithmetic in one
+op (float32 inputs of 4 dimensions; anything else goes to mx.fast.rope).
+Only mlx.nn.RoPE itself is replaced: the scaled variants (Llama 3's, YaRN,
+SuScaled) compute their frequencies otherwise and keep theirs.
 """
 
 from typing import Dict, Optional
@@ -107,8 +116,36 @@ class DecodeEmbedding(nn.Embedding):
         return x @ self.weight.T if y is None else y
 
 
-def has_quantized_forms(model) -> bool:
-    return any(isinstance(m, (DecodeLinear, DecodeEmbedding)) for _, m in model.named_modules())
+class NativeRoPE(nn.RoPE):
+    """nn.RoPE whose float32 calls run our kernel (see the module doc)."""
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        if x.dtype != mx.float32 or x.ndim != 4:
+            return super().__call__(x, offset)
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        return native.kernels().rope(x, self.dims, self.traditional, self.base, self.scale,
+                                     offset)
+
+
+def use_native_rope(model) -> int:
+    """Every mlx.nn.RoPE of `model` made a NativeRoPE where the kernels are
+    built; how many."""
+    if native.kernels() is None:
+        return 0
+    replaced = [(name, NativeRoPE(m.dims, m.traditional, m.base, m.scale))
+                for name, m in model.named_modules() if type(m) is nn.RoPE]
+    from mlx.utils import tree_unflatten
+
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return len(replaced)
+
+
+def runs_native_kernels(model) -> bool:
+    """Whether any layer of `model` computes with our kernels."""
+    return any(isinstance(m, (DecodeLinear, DecodeEmbedding, NativeRoPE))
+               for _, m in model.named_modules())
 
 
 def keep_quantized_forms(model, forms: Dict[str, QuantizedForm]) -> None:

@@ -29,7 +29,7 @@ from mlx_lm.server import ModelProvider as UpstreamModelProvider
 
 from mlx_lm_plus import native
 from mlx_lm_plus.models.cpu import converts, weights_for_cpu
-from mlx_lm_plus.models.cpu_decode import has_quantized_forms
+from mlx_lm_plus.models.cpu_decode import runs_native_kernels
 from mlx_lm_plus.models.embedders import folder_task, load_embedder, local_folder
 from mlx_lm_plus.models.served import ServedModel, resolved_path, served_set
 from mlx_lm_plus.models.folders import (
@@ -125,7 +125,7 @@ class LoadedModel(UpstreamModelProvider):
         # Bytes its weights may take (cpu.weights_for_cpu; None: no bound).
         self.room_for_weights = room_for_weights
         self.weights_float32 = False
-        self.weights_decode_native = False  # (cpu_decode.py)
+        self.native_kernels = False  # (cpu_decode.py)
         self._load(*key)
         # Loaded on the loader thread and used on the generation thread: an
         # array left unevaluated here belongs to this thread's stream, and
@@ -208,10 +208,10 @@ class LoadedModel(UpstreamModelProvider):
         grown = weights_for_cpu(model, self.cli_args.keep_quantized,
                                 getattr(self, "room_for_weights", None))
         self.weights_float32 = grown is not None
-        self.weights_decode_native = has_quantized_forms(model)
+        self.native_kernels = runs_native_kernels(model)
         if grown is not None:
-            decode = (", the quantized ones kept for decode steps (mlx_lm_plus.native)"
-                      if self.weights_decode_native else "")
+            decode = (", decode steps and RoPE on our kernels (mlx_lm_plus.native)"
+                      if self.native_kernels else "")
             logging.info(f"{model_path}: weights as float32 for the CPU's BLAS{decode} "
                          f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
         return grown

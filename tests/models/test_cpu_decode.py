@@ -140,7 +140,7 @@ def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkey
     layers = [m for _, m in model.named_modules()
               if isinstance(m, (cpu_decode.DecodeLinear, cpu_decode.DecodeEmbedding))]
     assert len(layers) == 2 * 7 + 2  # (q, k, v, o, gate, up, down a layer; lm_head; embedding)
-    assert cpu_decode.has_quantized_forms(model)
+    assert cpu_decode.runs_native_kernels(model)
 
     calls = []
     real = kernels.quantized_matvec
@@ -149,6 +149,9 @@ def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkey
         def quantized_matvec(self, x, *args):
             calls.append(x.size // x.shape[-1])
             return real(x, *args)
+
+        def __getattr__(self, name):  # (the RoPE kernel)
+            return getattr(kernels, name)
 
     monkeypatch.setattr(cpu_decode.native, "kernels", lambda: Counting())
     first, step = logits_of(model)
@@ -165,11 +168,59 @@ def test_nothing_kept_without_the_kernels_or_with_keep_quantized(fixture_path, m
     assert cpu.weights_for_cpu(model, keep=True) is None
     monkeypatch.setattr(cpu_decode.native, "kernels", lambda: None)
     assert cpu.weights_for_cpu(model)
-    assert not cpu_decode.has_quantized_forms(model)
+    assert not cpu_decode.runs_native_kernels(model)
     assert cpu.converted_bytes(model) == cpu.float32_bytes(model)
 
 
-def test_the_disk_tier_knows_decode_runs_on_the_kernel(monkeypatch):
+def test_the_disk_tier_knows_the_kernels_compute(monkeypatch):
     monkeypatch.setattr(cpu, "FAST_BLAS", "/usr/lib/x/libopenblas.so.0")
     assert cpu.weights_identity(True, True) == \
-        ",cpu_blas=libopenblas.so.0,weights=float32,decode=native"
+        ",cpu_blas=libopenblas.so.0,weights=float32,kernels=native"
+
+
+@needs_kernels
+@pytest.mark.parametrize("traditional", [False, True])
+def test_the_rope_kernel_equals_mlx_s(traditional):
+    mx.random.seed(3)
+    cases = [
+        ((1, 4, 1, 16), 16, 10000.0, 1.0, 0),
+        ((3, 2, 7, 24), 16, 500000.0, 0.5, 37),  # dims < D: the rest passes
+        ((2, 3, 1, 64), 64, 10000.0, 1.0, mx.array([5, 4097], dtype=mx.int32)),  # per row
+        ((2, 3, 5, 32), 32, 1000.0, 2.0, mx.array([0, 9])),
+    ]
+    for shape, dims, base, scale, offset in cases:
+        x = mx.random.normal(shape)
+        theirs = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
+                              offset=offset)
+        off = offset if isinstance(offset, mx.array) else mx.array(offset)
+        ours = kernels.rope(x, dims, traditional, base, scale, off)
+        assert ours.shape == x.shape
+        # An angle of float32 at position p is off by about p ulps of 1: at
+        # 4,097 both implementations differ from float64 by 1e-4 or 2e-4.
+        # (Apart from that, the same arithmetic: 2e-7 at position 5.)
+        far = (off.max().item() + shape[2]) * scale
+        assert mx.allclose(ours, theirs, rtol=1e-5, atol=2e-5 + 3e-7 * far).item(), (shape, offset)
+        assert mx.array_equal(ours[..., dims:], x[..., dims:]).item()
+    with pytest.raises(ValueError):
+        kernels.rope(mx.zeros((1, 2, 3, 8), dtype=mx.float16), 8, False, 1e4, 1.0, mx.array(0))
+    with pytest.raises(ValueError):
+        kernels.rope(mx.zeros((1, 2, 3, 8)), 6, False, 1e4, 1.0, mx.array([1, 2, 3]))
+
+
+@needs_kernels
+def test_converted_models_run_rope_in_one_op(fixture_path, monkeypatch):
+    """nn.RoPE layers become NativeRoPE; with a BatchKVCache's per-row
+    offsets too, they give nn.RoPE's numbers; other dtypes go to mx.fast."""
+    model, _ = _quantized(fixture_path)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    assert cpu.weights_for_cpu(model)
+    ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
+    assert ropes and all(type(m) is cpu_decode.NativeRoPE for m in ropes)
+    rope = ropes[0]
+    plain = nn.RoPE(rope.dims, rope.traditional, rope.base, rope.scale)
+    x = mx.random.normal((3, 4, 1, rope.dims))
+    offsets = mx.array([0, 17, 300], dtype=mx.int32)
+    assert mx.allclose(rope(x, offsets), plain(x, offsets), rtol=1e-5, atol=2e-5).item()
+    assert mx.allclose(rope(x, 12), plain(x, 12), rtol=1e-5, atol=2e-5).item()
+    half = x.astype(mx.float16)
+    assert mx.array_equal(rope(half, 3), plain(half, 3)).item()
