@@ -176,7 +176,7 @@ def weights_for_cpu(model, keep: bool = False,
     from mlx_lm.utils import dequantize_model
 
     from mlx_lm_plus.models.cpu_decode import (keep_quantized_forms, quantized_forms,
-                                               use_native_rope)
+                                               use_native_layers)
 
     def nbytes():
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -198,7 +198,7 @@ def weights_for_cpu(model, keep: bool = False,
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
     keep_quantized_forms(model, forms)  # (after: their scales keep their dtype)
-    use_native_rope(model)
+    use_native_layers(model)
     mx.eval(model.parameters())
     return nbytes() - before
 

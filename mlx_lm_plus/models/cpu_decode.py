@@ -1,10 +1,10 @@
 """Decode steps on a CPU from the quantized weights, prefill from float32,
-and RoPE in one op (our kernels, mlx_lm_plus.native).
+and RoPE and RMSNorm in one op each (our kernels, mlx_lm_plus.native).
 
     forms = quantized_forms(model)      # before cpu.weights_for_cpu dequantizes
     ... dequantize_model(model); model.set_dtype(mx.float32) ...
     keep_quantized_forms(model, forms)  # each such layer now holds both
-    use_native_rope(model)              # nn.RoPE layers -> NativeRoPE
+    use_native_layers(model)            # nn.RoPE, nn.RMSNorm -> NativeRoPE, NativeRMSNorm
 
 Why two forms: prefill multiplies many rows at once, where float32 weights
 and a BLAS are fastest (cpu.py); a decode step multiplies a few rows, where
@@ -20,12 +20,14 @@ scale * dot(q, x) + bias * sum(x) per group, where the float32 weight holds
 scale * q + bias rounded), and a row's result does not depend on the other
 rows of its call.
 
-RoPE: MLX 0.32 runs mx.fast.rope on a CPU as a graph of about 20 ops,
-which at one position a call cost a fifth of a decode step once the
-matmuls read quantized weights; NativeRoPE is the same arithmetic in one
-op (float32 inputs of 4 dimensions; anything else goes to mx.fast.rope).
-Only mlx.nn.RoPE itself is replaced: the scaled variants (Llama 3's, YaRN,
-SuScaled) compute their frequencies otherwise and keep theirs.
+RoPE and RMSNorm: MLX 0.32 runs mx.fast.rope on a CPU as a graph of about
+20 ops and mx.fast.rms_norm as one of 6; at one position a call, RoPE's
+cost a fifth of a decode step once the matmuls read quantized weights.
+NativeRoPE and NativeRMSNorm are the same arithmetic in one op each
+(float32 inputs; anything else goes to mx.fast). Only mlx.nn.RoPE and
+mlx.nn.RMSNorm themselves are replaced: the scaled RoPE variants (Llama
+3's, YaRN, SuScaled) compute their frequencies otherwise, and models' own
+norm classes (Gemma's 1 + weight) differ; they keep theirs.
 """
 
 from typing import Dict, Optional
@@ -128,13 +130,30 @@ class NativeRoPE(nn.RoPE):
                                      offset)
 
 
-def use_native_rope(model) -> int:
-    """Every mlx.nn.RoPE of `model` made a NativeRoPE where the kernels are
-    built; how many."""
+class NativeRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose float32 calls run our kernel (see the module doc)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != mx.float32 or self["weight"].dtype != mx.float32:
+            return super().__call__(x)
+        return native.kernels().rms_norm(x, self["weight"], self.eps)
+
+
+def _native_norm(norm: nn.RMSNorm) -> NativeRMSNorm:
+    native_norm = NativeRMSNorm(norm.weight.shape[0], norm.eps)
+    native_norm.weight = norm.weight
+    return native_norm
+
+
+def use_native_layers(model) -> int:
+    """Every mlx.nn.RoPE and mlx.nn.RMSNorm of `model` made a NativeRoPE or
+    NativeRMSNorm where the kernels are built; how many."""
     if native.kernels() is None:
         return 0
     replaced = [(name, NativeRoPE(m.dims, m.traditional, m.base, m.scale))
                 for name, m in model.named_modules() if type(m) is nn.RoPE]
+    replaced += [(name, _native_norm(m))
+                 for name, m in model.named_modules() if type(m) is nn.RMSNorm]
     from mlx.utils import tree_unflatten
 
     if replaced:
@@ -144,7 +163,7 @@ def use_native_rope(model) -> int:
 
 def runs_native_kernels(model) -> bool:
     """Whether any layer of `model` computes with our kernels."""
-    return any(isinstance(m, (DecodeLinear, DecodeEmbedding, NativeRoPE))
+    return any(isinstance(m, (DecodeLinear, DecodeEmbedding, NativeRoPE, NativeRMSNorm))
                for _, m in model.named_modules())
 
 

@@ -224,3 +224,36 @@ def test_converted_models_run_rope_in_one_op(fixture_path, monkeypatch):
     assert mx.allclose(rope(x, 12), plain(x, 12), rtol=1e-5, atol=2e-5).item()
     half = x.astype(mx.float16)
     assert mx.array_equal(rope(half, 3), plain(half, 3)).item()
+
+
+@needs_kernels
+def test_the_rms_norm_kernel_equals_mlx_s():
+    mx.random.seed(4)
+    for shape in [(1, 1, 576), (3, 5, 64), (2, 1, 4, 24), (7,)]:
+        x = mx.random.normal(shape) * 3
+        w = mx.random.normal((shape[-1],))
+        for eps in (1e-6, 1e-5):
+            ours = kernels.rms_norm(x, w, eps)
+            theirs = mx.fast.rms_norm(x, w, eps)
+            assert ours.shape == x.shape
+            assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-6).item(), shape
+    with pytest.raises(ValueError):
+        kernels.rms_norm(mx.zeros((2, 8)), mx.zeros((7,)), 1e-5)
+    with pytest.raises(ValueError):
+        kernels.rms_norm(mx.zeros((2, 8), dtype=mx.bfloat16), mx.zeros((8,)), 1e-5)
+
+
+@needs_kernels
+def test_converted_models_run_rms_norm_in_one_op(fixture_path, monkeypatch):
+    model, _ = _quantized(fixture_path)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    assert cpu.weights_for_cpu(model)
+    norms = [m for _, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
+    assert norms and all(type(m) is cpu_decode.NativeRMSNorm for m in norms)
+    norm = norms[0]
+    plain = nn.RMSNorm(norm.weight.shape[0], norm.eps)
+    plain.weight = norm.weight
+    x = mx.random.normal((2, 3, norm.weight.shape[0]))
+    assert mx.allclose(norm(x), plain(x), rtol=1e-5, atol=1e-6).item()
+    half = x.astype(mx.float16)
+    assert mx.array_equal(norm(half), plain(half)).item()
