@@ -68,7 +68,8 @@ def _load():
     if not ok:
         return None, "they computed a wrong answer at load"
     try:
-        _cpu_kernels.set_threads(int(os.environ.get("MLX_LM_PLUS_KERNEL_THREADS", "1")))
+        threads = int(os.environ.get("MLX_LM_PLUS_KERNEL_THREADS", "1"))
+        _cpu_kernels.set_threads(max(1, min(threads, os.cpu_count() or 1)))
     except ValueError:
         return None, "MLX_LM_PLUS_KERNEL_THREADS is not a number"
     return _cpu_kernels, None

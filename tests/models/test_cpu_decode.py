@@ -93,6 +93,9 @@ def test_bad_arguments_are_refused_not_run():
         (x, wq, scales, biases, 64, 4),  # group size of other scales
         (x, wq, scales, biases, 32, 8),  # other bits
         (x, wq, scales, biases, 48, 4),  # no such group size
+        (x, mx.zeros((64, 8), dtype=mx.uint32), scales, biases, 32, 2),  # no such bits
+        (mx.random.normal((2, 256)), mx.zeros((64, 16), dtype=mx.uint32),
+         mx.zeros((64, 1)), mx.zeros((64, 1)), 256, 4),  # (shapes agree; the size is refused)
         (mx.random.normal((2, 64)), wq, scales, biases, 32, 4),  # K differs
         (mx.random.normal((17, 128)), wq, scales, biases, 32, 4),  # too many rows
         (x, wq.astype(mx.int32), scales, biases, 32, 4),

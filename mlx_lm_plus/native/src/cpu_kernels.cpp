@@ -331,6 +331,12 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w,
   if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2 || x.ndim() < 1) {
     throw std::invalid_argument("[quantized_matvec] w, scales, biases must be 2-d");
   }
+  // (Refused here, not in the kernel: an exception on MLX's stream thread
+  // would end the process.)
+  if ((bits != 4 && bits != 8) ||
+      (group_size != 32 && group_size != 64 && group_size != 128)) {
+    throw std::invalid_argument("[quantized_matvec] bits 4 or 8, group size 32, 64 or 128");
+  }
   int K = x.shape(-1);
   int N = w.shape(0);
   if (int64_t(w.shape(1)) * 32 != int64_t(K) * bits || K % group_size != 0 ||
