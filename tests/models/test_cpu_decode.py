@@ -260,3 +260,38 @@ def test_converted_models_run_rms_norm_in_one_op(fixture_path, monkeypatch):
     assert mx.allclose(norm(x), plain(x), rtol=1e-5, atol=1e-6).item()
     half = x.astype(mx.float16)
     assert mx.array_equal(norm(half), plain(half)).item()
+
+
+@needs_kernels
+def test_inputs_laid_out_otherwise_are_read_right():
+    """Views (transposes, strided slices) and empty inputs: as their
+    contiguous copies; nothing read out of bounds."""
+    mx.random.seed(5)
+    w = mx.random.normal((96, 128))
+    wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    x = mx.random.normal((128, 3)).T  # (3, 128), columns apart
+    assert mx.allclose(kernels.quantized_matvec(x, wq, scales, biases, 32, 4),
+                       kernels.quantized_matvec(mx.array(np.array(x)), wq, scales, biases, 32, 4),
+                       rtol=0, atol=0).item()
+    every_other = (wq[::2], scales[::2], biases[::2])  # rows apart
+    want = mx.quantized_matmul(x, *every_other, group_size=32, bits=4)
+    assert mx.allclose(kernels.quantized_matvec(x, *every_other, 32, 4), want,
+                       rtol=1e-4, atol=1e-4).item()
+    empty = kernels.quantized_matvec(mx.zeros((0, 128)), wq, scales, biases, 32, 4)
+    assert empty.shape == (0, 96) and mx.eval(empty) is None
+    with pytest.raises(ValueError):
+        kernels.quantized_matvec(mx.zeros((2, 0)), mx.zeros((96, 0), dtype=mx.uint32),
+                                 mx.zeros((96, 0)), mx.zeros((96, 0)), 32, 4)
+
+    q = mx.random.normal((2, 5, 3, 16)).transpose(0, 2, 1, 3)  # (B, H, T, D), as attention's
+    offsets = mx.array([3, 0, 11, 0], dtype=mx.int32)[::2]
+    assert mx.allclose(kernels.rope(q, 16, False, 1e4, 1.0, offsets),
+                       mx.fast.rope(q, 16, traditional=False, base=1e4, scale=1.0,
+                                    offset=offsets), rtol=1e-5, atol=2e-5).item()
+    assert kernels.rope(mx.zeros((1, 2, 0, 8)), 8, False, 1e4, 1.0, mx.array(0)).shape == \
+        (1, 2, 0, 8)
+
+    h = mx.random.normal((24, 4)).T
+    weight = mx.random.normal((48,))[::2]
+    assert mx.allclose(kernels.rms_norm(h, weight, 1e-5), mx.fast.rms_norm(h, weight, 1e-5),
+                       rtol=1e-5, atol=1e-6).item()

@@ -35,6 +35,7 @@
 
 #include <omp.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cmath>
@@ -255,6 +256,38 @@ void dispatch(int bits, int gs, const float* x, const uint8_t* w, const T* s,
 
 }  // namespace
 
+// An input as the kernels read it: row-contiguous. Most already are; for
+// the others a copy is made on MLX's stream thread just before the kernel
+// (the encoder keeps it until then). This, not an mx::contiguous in the
+// graph: that would be one more op per input of every call (4 of a
+// matvec's 5 ops, half a decode step's ops on the demo model).
+mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& encoder) {
+  if (a.flags().row_contiguous) {
+    return a;
+  }
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  encoder.dispatch([src = a.data<uint8_t>(), dst = copy.data<uint8_t>(), shape = a.shape(),
+                    strides = a.strides(), item = a.itemsize(), n = a.size()]() {
+    std::vector<int> at(shape.size(), 0);
+    for (size_t i = 0; i < n; i++) {
+      int64_t offset = 0;
+      for (size_t d = 0; d < shape.size(); d++) {
+        offset += int64_t(at[d]) * strides[d];
+      }
+      std::memcpy(dst + i * item, src + offset * int64_t(item), item);
+      for (int d = int(shape.size()) - 1; d >= 0; d--) {
+        if (++at[d] < shape[d]) {
+          break;
+        }
+        at[d] = 0;
+      }
+    }
+  });
+  return copy;
+}
+
 class QuantizedMatvec : public mx::Primitive {
  public:
   QuantizedMatvec(mx::Stream stream, int group_size, int bits)
@@ -262,16 +295,16 @@ class QuantizedMatvec : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
-    auto& x = inputs[0];
-    auto& w = inputs[1];
-    auto& scales = inputs[2];
-    auto& biases = inputs[3];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto x = row_contiguous(inputs[0], encoder);
+    auto w = row_contiguous(inputs[1], encoder);
+    auto scales = row_contiguous(inputs[2], encoder);
+    auto biases = row_contiguous(inputs[3], encoder);
     int K = x.shape(-1);
     int N = out.shape(-1);
     int M = int(x.size() / K);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_input_array(scales);
@@ -339,7 +372,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w,
   }
   int K = x.shape(-1);
   int N = w.shape(0);
-  if (int64_t(w.shape(1)) * 32 != int64_t(K) * bits || K % group_size != 0 ||
+  if (K == 0 || int64_t(w.shape(1)) * 32 != int64_t(K) * bits || K % group_size != 0 ||
       scales.shape(0) != N || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape()) {
     throw std::invalid_argument("[quantized_matvec] shapes do not match");
@@ -349,10 +382,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w,
   }
   auto shape = x.shape();
   shape.back() = N;
-  // Row-contiguous inputs (a no-op where they already are).
-  std::vector<mx::array> inputs = {
-      mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
-      mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
+  std::vector<mx::array> inputs = {x, w, scales, biases};
   return mx::array(shape, mx::float32,
                    std::make_shared<QuantizedMatvec>(stream, group_size, bits),
                    std::move(inputs));
@@ -361,8 +391,9 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w,
 
 namespace {
 
-void rope_kernel(const float* x, float* out, const int32_t* offsets, int n_offsets, int B,
-                 int H, int T, int D, int dims, bool traditional, float base, float scale) {
+void rope_kernel(const float* x, const int64_t* strides, float* out, const int32_t* offsets,
+                 int n_offsets, int B, int H, int T, int D, int dims, bool traditional,
+                 float base, float scale) {
   const int half = dims / 2;
   // As the fallback: log(base) / half in double, rounded to float; then
   // each frequency exp(-i * that) in float.
@@ -382,24 +413,26 @@ void rope_kernel(const float* x, float* out, const int32_t* offsets, int n_offse
         sines[i] = std::sin(theta);
       }
       for (int h = 0; h < H; h++) {
-        const size_t at = ((size_t(b) * H + h) * T + t) * D;
-        const float* xr = x + at;
-        float* o = out + at;
+        // x read through its strides (queries and keys come transposed);
+        // the output is row-contiguous.
+        const float* xr = x + b * strides[0] + h * strides[1] + t * strides[2];
+        const int64_t sd = strides[3];
+        float* o = out + ((size_t(b) * H + h) * T + t) * D;
         if (traditional) {
           for (int i = 0; i < half; i++) {
-            const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
+            const float x1 = xr[2 * i * sd], x2 = xr[(2 * i + 1) * sd];
             o[2 * i] = x1 * cosines[i] - x2 * sines[i];
             o[2 * i + 1] = x1 * sines[i] + x2 * cosines[i];
           }
         } else {
           for (int i = 0; i < half; i++) {
-            const float x1 = xr[i], x2 = xr[i + half];
+            const float x1 = xr[i * sd], x2 = xr[(i + half) * sd];
             o[i] = x1 * cosines[i] - x2 * sines[i];
             o[i + half] = x1 * sines[i] + x2 * cosines[i];
           }
         }
         for (int d = dims; d < D; d++) {
-          o[d] = xr[d];
+          o[d] = xr[d * sd];
         }
       }
     }
@@ -417,20 +450,24 @@ class RoPE : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
     auto& x = inputs[0];
-    auto& offset = inputs[1];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto offset = row_contiguous(inputs[1], encoder);
     encoder.set_input_array(x);
     encoder.set_input_array(offset);
     encoder.set_output_array(out);
-    encoder.dispatch([x_ptr = x.data<float>(), out_ptr = out.data<float>(),
+    std::array<int64_t, 4> strides;
+    for (int d = 0; d < 4; d++) {
+      strides[d] = x.strides()[d];
+    }
+    encoder.dispatch([x_ptr = x.data<float>(), strides, out_ptr = out.data<float>(),
                       offsets = offset.data<int32_t>(), n_offsets = int(offset.size()),
                       B = x.shape(0), H = x.shape(1), T = x.shape(2), D = x.shape(3),
                       dims = dims_, traditional = traditional_, base = base_,
                       scale = scale_]() {
-      rope_kernel(x_ptr, out_ptr, offsets, n_offsets, B, H, T, D, dims, traditional, base,
-                  scale);
+      rope_kernel(x_ptr, strides.data(), out_ptr, offsets, n_offsets, B, H, T, D, dims,
+                  traditional, base, scale);
     });
   }
 
@@ -469,10 +506,9 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
       (offset.size() != 1 && (offset.ndim() != 1 || offset.shape(0) != x.shape(0)))) {
     throw std::invalid_argument("[rope] offset: an integer, or one per batch row");
   }
-  std::vector<mx::array> inputs = {
-      mx::contiguous(x, false, stream),
-      mx::contiguous(mx::astype(mx::reshape(offset, {-1}, stream), mx::int32, stream), false,
-                     stream)};
+  // (One offset, or one a row: read as a flat int32 run.)
+  auto offsets = offset.dtype() == mx::int32 ? offset : mx::astype(offset, mx::int32, stream);
+  std::vector<mx::array> inputs = {x, offsets};
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<RoPE>(stream, dims, traditional, base, scale),
                    std::move(inputs));
@@ -511,11 +547,11 @@ class RMSNorm : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
-    auto& x = inputs[0];
-    auto& w = inputs[1];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto x = row_contiguous(inputs[0], encoder);
+    auto w = row_contiguous(inputs[1], encoder);
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(out);
@@ -550,8 +586,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
       weight.ndim() != 1 || weight.shape(0) != x.shape(-1) || x.shape(-1) == 0) {
     throw std::invalid_argument("[rms_norm] float32 x (..., D) and weight (D,)");
   }
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream),
-                                   mx::contiguous(weight, false, stream)};
+  std::vector<mx::array> inputs = {x, weight};
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps),
                    std::move(inputs));
 }
