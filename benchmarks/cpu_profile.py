@@ -173,6 +173,26 @@ def profile(model, prompt_tokens: int, steps: int, repeats: int):
     return out
 
 
+def decode_ops(model) -> Dict[str, int]:
+    """The ops of one decode step's graph (after a 4-token prompt), by
+    primitive: MLX dispatches each to its CPU thread on its own."""
+    import collections
+    import re
+    import tempfile
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[101, 102, 103, 104]]), cache=cache))
+    mx.eval([c.state for c in cache])
+    logits = model(mx.array([[105]]), cache=cache)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, logits)
+        dot = f.read()
+    # (Nodes of ops are boxes; arrays are named by letters.)
+    return dict(collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot)))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model folder (default: the demo model)")
@@ -206,6 +226,10 @@ def main(argv=None):
             if phase == "prefill" and kind == ARGMAX:
                 continue
             print(f"| {kind} | {1e3 * seconds:.2f} | {100 * seconds / r['timed']:.0f}% |")
+    ops = decode_ops(model)
+    result["decode_ops"] = ops
+    top = ", ".join(f"{name} {n}" for name, n in sorted(ops.items(), key=lambda kv: -kv[1])[:8])
+    print(f"\nops in a decode step's graph: {sum(ops.values())} ({top}, ...)")
     return result
 
 

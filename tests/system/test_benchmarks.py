@@ -229,4 +229,9 @@ def test_cpu_profile_accounts_for_the_pass(fixture_path, capsys):
         assert sum(kinds.values()) >= r["timed"] * 0.999 and r["real"] > 0
         assert all(0 <= s <= r["timed"] for s in kinds.values())
     assert result["decode"]["kinds"]["argmax (greedy pick)"] > 0
-    assert "| attention (scores, softmax, values) |" in capsys.readouterr().out
+    # The decode step's graph, counted: one op a projection (qwen3: 2 layers).
+    ops = result["decode_ops"]
+    assert sum(ops.values()) > 7 * 2 and ops.get("Softmax") == 2, ops
+    out = capsys.readouterr().out
+    assert "| attention (scores, softmax, values) |" in out
+    assert "ops in a decode step's graph: " in out
