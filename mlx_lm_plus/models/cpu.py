@@ -175,18 +175,20 @@ def weights_for_cpu(model, keep: bool = False,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from mlx_lm_plus.models.cpu_decode import (keep_quantized_forms, quantized_forms,
-                                               use_native_layers)
+    from mlx_lm_plus.models.cpu_decode import (forms_nbytes, keep_quantized_forms,
+                                               quantized_forms, use_native_layers)
 
     def nbytes():
         return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
     # Decode steps keep reading the quantized weights where our kernel can
-    # (cpu_decode.py): they stay beside the float32 ones.
+    # (cpu_decode.py): they stay beside the float32 ones, where they fit.
     forms = quantized_forms(model)
-    before, after = nbytes(), converted_bytes(model)
+    before, after = nbytes(), float32_bytes(model) + forms_nbytes(forms)
     if after == before:
         return None  # (float32 already)
+    if room is not None and after > room >= float32_bytes(model):
+        forms, after = {}, float32_bytes(model)  # (float32 alone: prefill's speed)
     if room is not None and after > room:
         logging.warning(
             f"Weights kept as they are: as float32 for the CPU's BLAS they would take "
@@ -195,12 +197,37 @@ def weights_for_cpu(model, keep: bool = False,
         return None
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
            for _, m in model.named_modules()):
+        _float32_scales(model)
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
     keep_quantized_forms(model, forms)  # (after: their scales keep their dtype)
     use_native_layers(model)
     mx.eval(model.parameters())
     return nbytes() - before
+
+
+def _float32_scales(model) -> None:
+    """Affine layers' scales and biases made float32 before dequantizing:
+    mx.dequantize computes in their dtype, so fp16 or bf16 ones would give
+    float32 weights rounded to 16 bits (0.5% off with bf16), where the
+    decode kernel (cpu_decode.py) computes scale * q + bias in float32:
+    prefill and decode would then run on different weights, and a stream's
+    greedy text would depend on its batch and on the prompt cache. (The
+    quantized forms kept for the kernel were taken before: theirs keep
+    their dtype, widened exactly in the kernel.)"""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    # (The layers mlx-lm's dequantize_model dequantizes.)
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+    for _, m in model.named_modules():
+        scales, biases = m.get("scales"), m.get("biases")
+        if (isinstance(m, kinds) and getattr(m, "mode", "affine") == "affine"
+                and isinstance(scales, mx.array) and mx.issubdtype(scales.dtype, mx.floating)):
+            m.scales = scales.astype(mx.float32)
+            if isinstance(biases, mx.array):
+                m.biases = biases.astype(mx.float32)
 
 
 def weights_identity(model_converted: bool, native_kernels: bool = False) -> str:

@@ -17,8 +17,9 @@ model's 540), counted in the model's bytes.
 
 Results equal the float32 path's up to float rounding (the kernel sums
 scale * dot(q, x) + bias * sum(x) per group, where the float32 weight holds
-scale * q + bias rounded), and a row's result does not depend on the other
-rows of its call.
+scale * q + bias rounded: cpu.weights_for_cpu dequantizes with float32
+scales for that), and a row's result does not depend on the other rows of
+its call.
 
 RoPE and RMSNorm: MLX 0.32 runs mx.fast.rope on a CPU as a graph of about
 20 ops and mx.fast.rms_norm as one of 6; at one position a call, RoPE's
@@ -65,8 +66,21 @@ def _usable(module) -> bool:
 
 def quantized_forms(model) -> Dict[str, QuantizedForm]:
     """The quantized layers the kernel can decode from, by module name
-    (none where the kernels are not built)."""
-    return {name: QuantizedForm(m) for name, m in model.named_modules() if _usable(m)}
+    (none where the kernels are not built). Not those whose quantized form
+    nothing would read: an embedding where the model has its own output
+    head (only tied ones multiply, through `as_linear`), a layer a DoRA
+    adapter wraps (it multiplies by the layer's weight itself)."""
+    modules = dict(model.named_modules())
+    has_head = any(name == "lm_head" or name.endswith(".lm_head") for name in modules)
+
+    def read(name, m) -> bool:
+        if type(m) is nn.QuantizedEmbedding and has_head:
+            return False
+        parent = modules.get(name.rpartition(".")[0])
+        return type(parent).__name__ != "DoRALinear"
+
+    return {name: QuantizedForm(m) for name, m in modules.items()
+            if _usable(m) and read(name, m)}
 
 
 def forms_nbytes(forms: Dict[str, QuantizedForm]) -> int:

@@ -13,9 +13,11 @@ here reads the packed bytes at the memory's speed, a few rows of x at once.
 
 Built by `python -m mlx_lm_plus.native.build` (scripts/setup), for this
 machine and the installed mlx. `kernels()` is None where it was not built,
-was built for another mlx (a C++ extension must match the libmlx it links)
-or a nanobind whose types mlx.core does not share (checked by one call at
-load); callers then use MLX's. They are CPU only: callers use them where
+where its stamp is not today's (built from other sources, for another mlx,
+nanobind or Python, or on another CPU: build.py), where its mlx headers
+were another version's, or where it does not compute right with this
+mlx.core (a few checks at load, each kernel and each scales dtype);
+callers then use MLX's. They are CPU only: callers use them where
 MLX runs on the CPU. `MLX_LM_PLUS_NATIVE=0` turns them off.
 
 Threads: one, MLX's CPU stream thread, unless `MLX_LM_PLUS_KERNEL_THREADS`
@@ -48,23 +50,28 @@ def _load():
         return None, "MLX_LM_PLUS_NATIVE=0"
     import mlx.core as mx
 
+    from mlx_lm_plus.native import build
+
+    again = "python -m mlx_lm_plus.native.build builds them again"
+    if not list(build.HERE.glob("_cpu_kernels*.so")):
+        return None, "not built (python -m mlx_lm_plus.native.build builds them)"
+    try:
+        stamped = build.STAMP.read_text()
+    except OSError:
+        stamped = None
+    if stamped != build.stamp():
+        return None, f"built from other sources, versions or CPU than these ({again})"
     try:
         from mlx_lm_plus.native import _cpu_kernels
     except ImportError as e:
-        return None, f"not built ({e}; python -m mlx_lm_plus.native.build builds them)"
-    if _cpu_kernels.MLX_VERSION != mx.__version__:
-        return None, (f"built for mlx {_cpu_kernels.MLX_VERSION}, not the installed "
-                      f"{mx.__version__} (python -m mlx_lm_plus.native.build builds them again)")
+        return None, f"not loadable ({e}; {again})"
+    if _cpu_kernels.MLX_VERSION_BUILT != mx.__version__:
+        return None, (f"built with mlx {_cpu_kernels.MLX_VERSION_BUILT}'s headers, not the "
+                      f"installed {mx.__version__}'s ({again})")
     try:
-        with mx.stream(mx.cpu):
-            w = mx.sin(mx.arange(8 * 64, dtype=mx.float32)).reshape(8, 64)
-            x = mx.cos(mx.arange(2 * 64, dtype=mx.float32)).reshape(2, 64)
-            w, scales, biases = mx.quantize(w, group_size=32, bits=4)
-            ours = _cpu_kernels.quantized_matvec(x, w, scales, biases, 32, 4)
-            theirs = mx.quantized_matmul(x, w, scales, biases, group_size=32, bits=4)
-            ok = mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4).item()
-    except (TypeError, ValueError, RuntimeError) as e:
-        return None, f"they do not run with this mlx.core ({e})"
+        ok = _check(_cpu_kernels)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+        return None, f"they do not run with this mlx.core ({e}; {again})"
     if not ok:
         return None, "they computed a wrong answer at load"
     try:
@@ -73,6 +80,28 @@ def _load():
     except ValueError:
         return None, "MLX_LM_PLUS_KERNEL_THREADS is not a number"
     return _cpu_kernels, None
+
+
+def _check(module) -> bool:
+    """Each kernel, once, against MLX's own op (every scales dtype of the
+    matvec: each is its own code)."""
+    import mlx.core as mx
+
+    with mx.stream(mx.cpu):
+        x = mx.cos(mx.arange(2 * 64, dtype=mx.float32)).reshape(2, 64)
+        w, scales, biases = mx.quantize(mx.sin(mx.arange(8 * 64, dtype=mx.float32)).reshape(8, 64),
+                                        group_size=32, bits=4)
+        checks = []
+        for dtype in (mx.float32, mx.float16, mx.bfloat16):
+            s, b = scales.astype(dtype).astype(mx.float32), biases.astype(dtype).astype(mx.float32)
+            checks.append((module.quantized_matvec(x, w, scales.astype(dtype),
+                                                   biases.astype(dtype), 32, 4),
+                           mx.quantized_matmul(x, w, s, b, group_size=32, bits=4)))
+        q = x.reshape(1, 2, 1, 64)
+        checks.append((module.rope(q, 64, False, 10000.0, 1.0, mx.array(3)),
+                       mx.fast.rope(q, 64, traditional=False, base=10000.0, scale=1.0, offset=3)))
+        checks.append((module.rms_norm(x, x[0], 1e-5), mx.fast.rms_norm(x, x[0], 1e-5)))
+        return all(mx.allclose(a, b, rtol=1e-4, atol=1e-4).item() for a, b in checks)
 
 
 def log_kernels() -> None:

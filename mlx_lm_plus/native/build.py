@@ -5,10 +5,14 @@
 It needs cmake, a C++ compiler with OpenMP and a nanobind whose internals
 match mlx.core's (3.1.0 for mlx 0.32.4: the extension shares its nanobind
 types; scripts/setup installs it). The module is built for the machine it
-runs on (-march=native) and against the installed mlx: `mlx_lm_plus.native`
-refuses one built for another mlx, so a new mlx needs this run again (a
-stamp of the sources, mlx's and nanobind's versions and the machine skips
-a build that would give the same module; --force builds anyway). Exits 0
+runs on (-march=native) and against the installed mlx. Beside it, a stamp
+of what it was built from: the sources, mlx's and nanobind's versions, the
+Python and the CPU's instruction sets. `mlx_lm_plus.native` loads it only
+where the stamp is today's (a module built from older sources lacks
+kernels the code calls; one built on another CPU may hold instructions
+this one lacks, which would kill the server at its first request), so a
+new mlx, a pull or another machine needs this run again; a build that
+would give the same module is skipped (--force builds anyway). Exits 0
 with a note where it can't build: the server then decodes with MLX's own
 kernels.
 """
@@ -27,8 +31,22 @@ HERE = Path(__file__).resolve().parent
 STAMP = HERE / "_cpu_kernels.stamp"
 
 
+def cpu_features() -> str:
+    """A digest of the CPU's instruction sets (Linux's /proc/cpuinfo flags:
+    what -march=native compiles for), or "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return ""
+
+
 def stamp() -> str:
-    """What the built module depends on."""
+    """What the built module depends on (see the module doc)."""
     from importlib.metadata import version
 
     h = hashlib.sha256()
@@ -36,7 +54,7 @@ def stamp() -> str:
         h.update(path.name.encode() + path.read_bytes())
     return (f"{h.hexdigest()} mlx={version('mlx')} nanobind={version('nanobind')} "
             f"python={sys.version_info[:2]} machine={platform.machine()} "
-            f"node={platform.node()}")
+            f"cpu={cpu_features()}")
 
 
 def up_to_date() -> bool:

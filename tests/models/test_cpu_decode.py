@@ -21,7 +21,23 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason=f"no CPU kernels: {na
 @pytest.mark.skipif(sys.platform != "linux", reason="scripts/setup builds them on Linux")
 def test_scripts_setup_built_the_kernels_for_this_mlx():
     assert kernels is not None, native.why_not()
-    assert kernels.MLX_VERSION == mx.__version__
+    assert kernels.MLX_VERSION_BUILT == mx.__version__
+
+
+@needs_kernels
+def test_a_module_built_from_other_sources_or_elsewhere_is_not_loaded(monkeypatch):
+    """A stale module (a pull since the build, another mlx, another CPU)
+    lacks kernels the code calls or holds instructions this CPU lacks: its
+    stamp is not today's, and it is refused with the reason."""
+    from mlx_lm_plus.native import build
+
+    assert native._load.__wrapped__()[0] is not None  # (today's)
+    monkeypatch.setattr(build, "cpu_features", lambda: "another-cpu")
+    module, why = native._load.__wrapped__()
+    assert module is None and "python -m mlx_lm_plus.native.build" in why
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "STAMP", build.HERE / "no-such.stamp")
+    assert native._load.__wrapped__()[0] is None
 
 
 def _reference(x, w, scales, biases, group_size, bits):
@@ -142,7 +158,9 @@ def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkey
     assert grown and sum(v.nbytes for _, v in tree_flatten(model.parameters())) == need
     layers = [m for _, m in model.named_modules()
               if isinstance(m, (cpu_decode.DecodeLinear, cpu_decode.DecodeEmbedding))]
-    assert len(layers) == 2 * 7 + 2  # (q, k, v, o, gate, up, down a layer; lm_head; embedding)
+    # (q, k, v, o, gate, up, down a layer; lm_head: the fixture's head is
+    # its own, so its embedding only looks up rows and keeps no copy.)
+    assert len(layers) == 2 * 7 + 1
     assert cpu_decode.runs_native_kernels(model)
 
     calls = []
@@ -159,7 +177,7 @@ def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkey
     monkeypatch.setattr(cpu_decode.native, "kernels", lambda: Counting())
     first, step = logits_of(model)
     assert calls and set(calls) == {1}  # the step's rows; the prompt's went to float32
-    assert len(calls) == len(layers) - 1  # (every linear layer; the embedding looks up)
+    assert len(calls) == len(layers)  # (every layer that kept its quantized weights)
     assert mx.allclose(first, quantized_first, atol=1e-4).item()
     assert mx.allclose(step, quantized_step, atol=1e-4).item()
 
@@ -295,3 +313,63 @@ def test_inputs_laid_out_otherwise_are_read_right():
     weight = mx.random.normal((48,))[::2]
     assert mx.allclose(kernels.rms_norm(h, weight, 1e-5), mx.fast.rms_norm(h, weight, 1e-5),
                        rtol=1e-5, atol=1e-6).item()
+
+
+def _logits_at_each_position(model, prompt):
+    """Prefill's logits for the prompt's last position (float32 path: more
+    than DECODE_ROWS rows) against a decode step's for the same position
+    (the kernel: one row), after the prompt less its last token."""
+    cache = make_prompt_cache(model)
+    whole = model(prompt)[:, -1]
+    model(prompt[:, :-1], cache=cache)
+    step = model(prompt[:, -1:], cache=cache)[:, -1]
+    return whole, step
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_prefill_and_decode_run_on_the_same_weights_whatever_the_scales_dtype(
+        fixture_path, monkeypatch, dtype):
+    """Published 4-bit models keep bf16 or fp16 scales: the float32 weights
+    prefill multiplies must be the kernel's scale * q + bias in float32, not
+    rounded to the scales' dtype (0.5% off with bf16), or a stream's greedy
+    text depends on its batch and on the prompt cache."""
+    model, tok = _quantized(fixture_path)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    assert cpu.weights_for_cpu(model)
+    prompt = mx.array(tok.encode("The harbour master counted seven brass lanterns."))[None]
+    whole, step = _logits_at_each_position(model, prompt)
+    assert mx.abs(whole - step).max().item() < 1e-4 * max(1.0, mx.abs(whole).max().item())
+
+
+@needs_kernels
+def test_a_model_with_room_for_float32_but_not_both_is_converted_without_the_copies(
+        fixture_path, monkeypatch):
+    model, _ = _quantized(fixture_path)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    room = cpu.float32_bytes(model)
+    assert cpu.converted_bytes(model) > room
+    assert cpu.weights_for_cpu(model, room=room)
+    assert not any(isinstance(m, (cpu_decode.DecodeLinear, nn.QuantizedLinear))
+                   for _, m in model.named_modules())
+
+
+@needs_kernels
+def test_no_copy_kept_that_nothing_reads(fixture_path):
+    """A layer a DoRA adapter wraps (DoRA multiplies by the layer's weight
+    itself) and an embedding beside its own output head keep no quantized
+    copy; a LoRA-wrapped layer (LoRA calls it) keeps one."""
+    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.lora import LoRALinear
+
+    model, _ = _quantized(fixture_path)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = DoRALinear.from_base(attention.q_proj)
+    attention.k_proj = LoRALinear.from_base(attention.k_proj)
+    names = set(cpu_decode.quantized_forms(model))
+    assert "model.layers.0.self_attn.q_proj.linear" not in names
+    assert "model.layers.0.self_attn.k_proj.linear" in names
+    assert "model.embed_tokens" not in names and "lm_head" in names

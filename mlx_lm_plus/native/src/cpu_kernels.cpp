@@ -40,10 +40,12 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <stdexcept>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -594,7 +596,11 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx_lm_plus's CPU kernels (an MLX extension)";
   m.attr("MAX_ROWS") = MAX_ROWS;
-  m.attr("MLX_VERSION") = mx::version();
+  // The mlx headers this was built against (mx::version() would be the
+  // running libmlx's: the same as mx.__version__ whatever was built).
+  m.attr("MLX_VERSION_BUILT") = std::to_string(MLX_VERSION_MAJOR) + "." +
+                                std::to_string(MLX_VERSION_MINOR) + "." +
+                                std::to_string(MLX_VERSION_PATCH);
   m.def("set_threads", [](int n) { kernel_threads.store(n < 1 ? 1 : n); }, "n"_a,
         "The threads a kernel splits a large weight over (OpenMP's; 1 by default).");
   m.def("quantized_matvec", &quantized_matvec, "x"_a, "w"_a, "scales"_a, "biases"_a,
