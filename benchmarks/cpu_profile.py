@@ -88,11 +88,11 @@ class OpTimer:
         def linear_kind(module):
             return _kind_of_linear(timer.paths.get(id(module), ""))
 
-        from mlx_lm_plus.models.cpu_decode import DecodeEmbedding, DecodeLinear
+        from mlx_lm_plus.models.cpu_decode import DecodeEmbedding, DecodeLinear, NativeRMSNorm
 
         for cls in (nn.Linear, nn.QuantizedLinear, DecodeLinear):
             wrap(cls, "__call__", linear_kind)
-        for cls in (nn.RMSNorm, nn.LayerNorm):
+        for cls in (nn.RMSNorm, nn.LayerNorm, NativeRMSNorm):
             wrap(cls, "__call__", lambda m: NORMS)
         for cls in (nn.Embedding, nn.QuantizedEmbedding, DecodeEmbedding):
             wrap(cls, "__call__", lambda m: EMBEDDING)
