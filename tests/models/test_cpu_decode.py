@@ -133,6 +133,15 @@ def _quantized(fixture_path):
     return model, tok
 
 
+def _converted_layers(fixture_path, monkeypatch, kind):
+    """The layers of `kind` of the quantized fixture once weights_for_cpu
+    converted it (as on a CPU with a fast BLAS)."""
+    model, _ = _quantized(fixture_path)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    assert cpu.weights_for_cpu(model)
+    return [m for _, m in model.named_modules() if isinstance(m, kind)]
+
+
 @needs_kernels
 def test_converted_models_decode_from_the_quantized_weights(fixture_path, monkeypatch):
     """weights_for_cpu keeps each quantized layer's weights beside its
@@ -232,10 +241,7 @@ def test_the_rope_kernel_equals_mlx_s(traditional):
 def test_converted_models_run_rope_in_one_op(fixture_path, monkeypatch):
     """nn.RoPE layers become NativeRoPE; with a BatchKVCache's per-row
     offsets too, they give nn.RoPE's numbers; other dtypes go to mx.fast."""
-    model, _ = _quantized(fixture_path)
-    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
-    assert cpu.weights_for_cpu(model)
-    ropes = [m for _, m in model.named_modules() if isinstance(m, nn.RoPE)]
+    ropes = _converted_layers(fixture_path, monkeypatch, nn.RoPE)
     assert ropes and all(type(m) is cpu_decode.NativeRoPE for m in ropes)
     rope = ropes[0]
     plain = nn.RoPE(rope.dims, rope.traditional, rope.base, rope.scale)
@@ -266,10 +272,7 @@ def test_the_rms_norm_kernel_equals_mlx_s():
 
 @needs_kernels
 def test_converted_models_run_rms_norm_in_one_op(fixture_path, monkeypatch):
-    model, _ = _quantized(fixture_path)
-    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
-    assert cpu.weights_for_cpu(model)
-    norms = [m for _, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
+    norms = _converted_layers(fixture_path, monkeypatch, nn.RMSNorm)
     assert norms and all(type(m) is cpu_decode.NativeRMSNorm for m in norms)
     norm = norms[0]
     plain = nn.RMSNorm(norm.weight.shape[0], norm.eps)

@@ -290,6 +290,20 @@ mx::array row_contiguous(const mx::array& a, mx::cpu::CommandEncoder& encoder) {
   return copy;
 }
 
+// An op's output allocated, and its inputs as its kernel reads them
+// (row_contiguous), registered with the encoder.
+std::vector<mx::array> prepare(const std::vector<mx::array>& inputs, mx::array& out,
+                               mx::cpu::CommandEncoder& encoder) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  std::vector<mx::array> ready;
+  for (auto& a : inputs) {
+    ready.push_back(row_contiguous(a, encoder));
+    encoder.set_input_array(ready.back());
+  }
+  encoder.set_output_array(out);
+  return ready;
+}
+
 class QuantizedMatvec : public mx::Primitive {
  public:
   QuantizedMatvec(mx::Stream stream, int group_size, int bits)
@@ -298,20 +312,12 @@ class QuantizedMatvec : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    auto x = row_contiguous(inputs[0], encoder);
-    auto w = row_contiguous(inputs[1], encoder);
-    auto scales = row_contiguous(inputs[2], encoder);
-    auto biases = row_contiguous(inputs[3], encoder);
+    auto ready = prepare(inputs, out, encoder);
+    auto &x = ready[0], &w = ready[1], &scales = ready[2], &biases = ready[3];
     int K = x.shape(-1);
     int N = out.shape(-1);
     int M = int(x.size() / K);
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_input_array(scales);
-    encoder.set_input_array(biases);
-    encoder.set_output_array(out);
     auto run = [bits = bits_, gs = group_size_, M, N, K,
                 x_ptr = x.data<float>(), w_ptr = w.data<uint8_t>(),
                 out_ptr = out.data<float>()](auto* s, auto* b) {
@@ -550,13 +556,9 @@ class RMSNorm : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    auto x = row_contiguous(inputs[0], encoder);
-    auto w = row_contiguous(inputs[1], encoder);
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
+    auto ready = prepare(inputs, out, encoder);
+    auto &x = ready[0], &w = ready[1];
     int D = x.shape(-1);
     encoder.dispatch([x_ptr = x.data<float>(), w_ptr = w.data<float>(),
                       out_ptr = out.data<float>(), rows = x.size() / D, D, eps = eps_]() {
