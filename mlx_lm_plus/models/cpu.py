@@ -136,12 +136,18 @@ def float32_bytes(model) -> int:
     """The bytes `model`'s weights take as float32, dequantized."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     total = 0
     for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        # (The layers mlx-lm's dequantize_model widens: MoE experts too.)
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             total += m.weight.size * (32 // m.bits) * 4  # (packed in uint32s)
-            total -= m.weight.nbytes + m.scales.nbytes + m.biases.nbytes
+            # Less the packed weight and its scales and biases, counted
+            # below as the float32 they would have been.
+            total -= m.weight.nbytes
+            for v in (m.get("scales"), m.get("biases")):
+                total -= 0 if v is None else (v.size * 4 if _floating(v) else v.nbytes)
     params = tree_flatten(model.parameters())
     return total + sum(v.size * 4 if _floating(v) else v.nbytes for _, v in params)
 

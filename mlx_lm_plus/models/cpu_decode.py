@@ -67,14 +67,19 @@ def _usable(module) -> bool:
 def quantized_forms(model) -> Dict[str, QuantizedForm]:
     """The quantized layers the kernel can decode from, by module name
     (none where the kernels are not built). Not those whose quantized form
-    nothing would read: an embedding where the model has its own output
-    head (only tied ones multiply, through `as_linear`), a layer a DoRA
-    adapter wraps (it multiplies by the layer's weight itself)."""
+    nothing would read: an embedding unless the model ties its output head
+    to it (only then does it multiply, through `as_linear`: the model's
+    `args.tie_word_embeddings` says, else the absence of a head module), a
+    layer a DoRA adapter wraps (it multiplies by the layer's weight
+    itself)."""
     modules = dict(model.named_modules())
-    has_head = any(name == "lm_head" or name.endswith(".lm_head") for name in modules)
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", None)
+    if not isinstance(tied, bool):
+        tied = not any(name.rpartition(".")[2] in ("lm_head", "output", "embed_out")
+                       for name in modules)
 
     def read(name, m) -> bool:
-        if type(m) is nn.QuantizedEmbedding and has_head:
+        if type(m) is nn.QuantizedEmbedding and not tied:
             return False
         parent = modules.get(name.rpartition(".")[0])
         return type(parent).__name__ != "DoRALinear"

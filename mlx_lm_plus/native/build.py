@@ -21,6 +21,7 @@ import glob
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -31,18 +32,31 @@ HERE = Path(__file__).resolve().parent
 STAMP = HERE / "_cpu_kernels.stamp"
 
 
+# The /proc/cpuinfo flags that name instruction sets (x86's and Arm's):
+# what -march=native compiles for. Not the others (a hypervisor's, a kernel's
+# mitigations), which change with a kernel or a host and not the code.
+INSTRUCTION_SETS = re.compile(
+    r"^(sse|ssse|avx|fma|f16c|bmi|amx|popcnt|abm|movbe|vaes|vpclmul|gfni|sha|adx|aes|"
+    r"pclmul|xsave|asimd|sve|fphp|i8mm|bf16|dotprod|fp$|atomics|lse)")
+
+
 def cpu_features() -> str:
-    """A digest of the CPU's instruction sets (Linux's /proc/cpuinfo flags:
-    what -march=native compiles for), or "" where unknown."""
+    """A digest of the CPU's instruction sets (see INSTRUCTION_SETS), or ""
+    where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+                    return flags_digest(line)
     except OSError:
         pass
     return ""
+
+
+def flags_digest(line: str) -> str:
+    """The digest of a cpuinfo flags line's instruction sets."""
+    flags = sorted(f for f in line.split(":", 1)[1].split() if INSTRUCTION_SETS.match(f))
+    return hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
 
 
 def stamp() -> str:
@@ -61,7 +75,7 @@ def up_to_date() -> bool:
     try:
         return (bool(list(HERE.glob("_cpu_kernels*.so")))
                 and STAMP.read_text() == stamp())
-    except (OSError, ImportError):
+    except Exception:  # (no metadata for a package, an unreadable stamp: build)
         return False
 
 

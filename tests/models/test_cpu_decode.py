@@ -38,6 +38,22 @@ def test_a_module_built_from_other_sources_or_elsewhere_is_not_loaded(monkeypatc
     monkeypatch.undo()
     monkeypatch.setattr(build, "STAMP", build.HERE / "no-such.stamp")
     assert native._load.__wrapped__()[0] is None
+    monkeypatch.undo()
+    # A stamp that can't be computed (a package installed without its
+    # metadata) is a reason, not an exception at start-up.
+    from importlib.metadata import PackageNotFoundError
+
+    def no_metadata():
+        raise PackageNotFoundError("nanobind")
+
+    monkeypatch.setattr(build, "stamp", no_metadata)
+    module, why = native._load.__wrapped__()
+    assert module is None and "stamp" in why
+    # Only instruction sets are the CPU's in the stamp: a hypervisor's or a
+    # kernel's flags change with the host, not the code.
+    assert build.flags_digest("flags : fma avx2 hypervisor pti") == \
+        build.flags_digest("flags\t: avx2 md_clear fma")
+    assert build.flags_digest("flags : fma avx2") != build.flags_digest("flags : fma avx2 avx512f")
 
 
 def _reference(x, w, scales, biases, group_size, bits):
@@ -376,3 +392,27 @@ def test_no_copy_kept_that_nothing_reads(fixture_path):
     assert "model.layers.0.self_attn.q_proj.linear" not in names
     assert "model.layers.0.self_attn.k_proj.linear" in names
     assert "model.embed_tokens" not in names and "lm_head" in names
+
+
+def test_moe_experts_are_counted_as_they_will_be(monkeypatch):
+    """float32_bytes (the room check) counts quantized MoE experts at their
+    float32 size, as dequantize_model makes them."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = SwitchLinear(64, 32, 8)
+            self.head = nn.Linear(64, 16)
+
+    model = Experts()
+    nn.quantize(model, group_size=32, bits=4)
+    for _, m in model.named_modules():
+        if hasattr(m, "scales"):
+            m.scales, m.biases = m.scales.astype(mx.bfloat16), m.biases.astype(mx.bfloat16)
+    monkeypatch.setattr(cpu, "FAST_BLAS", "/some/libopenblas.so.0")
+    predicted = cpu.float32_bytes(model)
+    monkeypatch.setattr(cpu_decode.native, "kernels", lambda: None)  # (float32 alone)
+    assert cpu.weights_for_cpu(model)
+    assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == predicted
