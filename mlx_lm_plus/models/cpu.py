@@ -132,16 +132,21 @@ def converts(keep: bool = False) -> bool:
             and on_cpu())
 
 
+def _dequantized_kinds() -> tuple:
+    """The layers mlx-lm's dequantize_model dequantizes (MoE experts too)."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+
+
 def float32_bytes(model) -> int:
     """The bytes `model`'s weights take as float32, dequantized."""
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     total = 0
     for _, m in model.named_modules():
-        # (The layers mlx-lm's dequantize_model widens: MoE experts too.)
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
+        if isinstance(m, _dequantized_kinds()):
             total += m.weight.size * (32 // m.bits) * 4  # (packed in uint32s)
             # Less the packed weight and its scales and biases, counted
             # below as the float32 they would have been.
@@ -177,7 +182,6 @@ def weights_for_cpu(model, keep: bool = False,
     if not converts(keep):
         return None
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
@@ -190,19 +194,19 @@ def weights_for_cpu(model, keep: bool = False,
     # Decode steps keep reading the quantized weights where our kernel can
     # (cpu_decode.py): they stay beside the float32 ones, where they fit.
     forms = quantized_forms(model)
-    before, after = nbytes(), float32_bytes(model) + forms_nbytes(forms)
+    float32 = float32_bytes(model)
+    before, after = nbytes(), float32 + forms_nbytes(forms)
     if after == before:
         return None  # (float32 already)
-    if room is not None and after > room >= float32_bytes(model):
-        forms, after = {}, float32_bytes(model)  # (float32 alone: prefill's speed)
+    if room is not None and after > room >= float32:
+        forms, after = {}, float32  # (float32 alone: prefill's speed)
     if room is not None and after > room:
         logging.warning(
             f"Weights kept as they are: as float32 for the CPU's BLAS they would take "
             f"{after / 1e9:.2f} GB, more than the {room / 1e9:.2f} GB left for them "
             "(--keep-quantized keeps every model's)")
         return None
-    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-           for _, m in model.named_modules()):
+    if any(isinstance(m, _dequantized_kinds()) for _, m in model.named_modules()):
         _float32_scales(model)
         dequantize_model(model)
     model.set_dtype(mx.float32)  # (floating parameters only)
@@ -222,14 +226,10 @@ def _float32_scales(model) -> None:
     quantized forms kept for the kernel were taken before: theirs keep
     their dtype, widened exactly in the kernel.)"""
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    # (The layers mlx-lm's dequantize_model dequantizes.)
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
     for _, m in model.named_modules():
         scales, biases = m.get("scales"), m.get("biases")
-        if (isinstance(m, kinds) and getattr(m, "mode", "affine") == "affine"
+        if (isinstance(m, _dequantized_kinds()) and getattr(m, "mode", "affine") == "affine"
                 and isinstance(scales, mx.array) and mx.issubdtype(scales.dtype, mx.floating)):
             m.scales = scales.astype(mx.float32)
             if isinstance(biases, mx.array):

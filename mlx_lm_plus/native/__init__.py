@@ -33,7 +33,6 @@ import os
 from typing import Optional
 
 
-@functools.lru_cache(maxsize=None)
 def kernels():
     """The extension module, or None (see the module doc); `why_not()` says
     why."""
