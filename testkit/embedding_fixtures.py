@@ -39,6 +39,18 @@ be tested without downloads:
     causal LM whose tokenizer has "yes" and "no" as single tokens; the score
     is softmax over the last position's [no, yes] logits (RERANK_PREFIX and
     RERANK_SUFFIX wrap the prompt). No modules.json, as the real one.
+  * cross-encoder rerankers, each its family's encoder (the tokenizer and
+    shape of the embedder of its family, other weights) with transformers'
+    sequence-classification head and one label, saved as transformers saves
+    them (the trunk under `bert.` / `roberta.` / `model.`), no modules.json:
+    - `bert_rerank` like cross-encoder/ms-marco-MiniLM-L6-v2: BERT, pairs
+      with token type ids 0/1, the score the raw logit
+      (`sbert_ce_default_activation_function`: Identity);
+    - `xlmr_rerank` like BAAI/bge-reranker-v2-m3: XLM-RoBERTa, no pooler,
+      the score a sigmoid (no activation named: CrossEncoder's default);
+    - `modernbert_rerank` like Alibaba-NLP/gte-reranker-modernbert-base:
+      ModernBERT with mean pooling before its head, the score a sigmoid
+      (`sentence_transformers.activation_fn`).
 
 Why the weights are usable: the qwen3 kinds reuse the chat fixtures' tuning
 (testkit.fixtures._make_usable: matrices x2, sharp q/k norms), so the last
@@ -62,7 +74,8 @@ from testkit.fixtures import (
 )
 
 EMBEDDING_KINDS = ("qwen3_embed", "bert_embed", "bert_cls", "xlmr_embed", "modernbert_embed",
-                   "qwen3_rerank")
+                   "qwen3_rerank", "bert_rerank", "xlmr_rerank", "modernbert_rerank")
+CROSS_ENCODER_KINDS = ("bert_rerank", "xlmr_rerank", "modernbert_rerank")
 EMBEDDING_VERSION = 1
 
 # Qwen3-Embedding's prompts (its config_sentence_transformers.json).
@@ -443,6 +456,115 @@ def _build_modernbert(out: Path) -> dict:
     return {"hidden_size": 64, "local_attention": MODERNBERT_WINDOW, **ids}
 
 
+# -- cross-encoders: an encoder and transformers' classification head --
+
+SIGMOID = "torch.nn.modules.activation.Sigmoid"
+IDENTITY = "torch.nn.modules.linear.Identity"
+
+
+def _head_weights(hidden: int, seed: int, names) -> dict:
+    """Random float32 head weights: each of `names` -> its shape. The
+    last layer's are small, so that the scores stay off a sigmoid's flat
+    ends (where pairs and errors would not tell apart)."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    scale = {2: 2.0 / hidden ** 0.5, 1: 0.1}
+    return {name: (mx.random.normal(shape) * (0.05 if shape[0] == 1 else scale[len(shape)])
+                   ).astype(mx.float32)
+            for name, shape in names.items()}
+
+
+def _cross_encoder_files(out: Path) -> None:
+    # (A CrossEncoder folder: no modules.json; the card names the task.)
+    _readme(out / "README.md", license="apache-2.0", library_name="sentence-transformers",
+            pipeline_tag="text-ranking", tags=["sentence-transformers", "cross-encoder"])
+
+
+def _build_bert_rerank(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import bert
+
+    ids = _bert_tokenizer(out)
+    config = {
+        "model_type": "bert", "architectures": ["BertForSequenceClassification"],
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "hidden_act": "gelu",
+        "max_position_embeddings": BERT_MAX_LENGTH, "type_vocab_size": 2,
+        "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-12, "pad_token_id": 0,
+        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+        "sbert_ce_default_activation_function": IDENTITY, "torch_dtype": "float32"}
+    _write_json(out / "config.json", config)
+    mx.random.seed(2468)
+    trunk = _scaled(bert.Model(bert.ModelArgs.from_dict(config)).parameters())
+    weights = {"bert." + k: v for k, v in trunk.items()}
+    # (older transformers saved this buffer; mlx-embeddings drops it)
+    weights["bert.embeddings.position_ids"] = mx.arange(BERT_MAX_LENGTH)[None]
+    weights.update(_head_weights(64, 2469, {"classifier.weight": (1, 64), "classifier.bias": (1,)}))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    _cross_encoder_files(out)
+    return {"hidden_size": 64, "activation": "identity", **ids}
+
+
+def _build_xlmr_rerank(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import xlm_roberta
+
+    ids = _xlmr_tokenizer(out)
+    pad = ids["pad_token_id"]
+    config = {
+        "model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"],
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "hidden_act": "gelu",
+        "max_position_embeddings": XLMR_CONTEXT + pad + 1, "type_vocab_size": 1,
+        "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-5, "pad_token_id": pad,
+        "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
+        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "torch_dtype": "float32"}
+    _write_json(out / "config.json", config)
+    mx.random.seed(3579)
+    args = xlm_roberta.ModelArgs.from_dict({**config, "add_pooling_layer": False})
+    weights = {"roberta." + k: v for k, v in _scaled(xlm_roberta.Model(args).parameters()).items()}
+    weights.update(_head_weights(64, 3580, {
+        "classifier.dense.weight": (64, 64), "classifier.dense.bias": (64,),
+        "classifier.out_proj.weight": (1, 64), "classifier.out_proj.bias": (1,)}))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    _cross_encoder_files(out)
+    return {"hidden_size": 64, "context_length": XLMR_CONTEXT, "activation": "sigmoid", **ids}
+
+
+def _build_modernbert_rerank(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import modernbert
+
+    ids = _modernbert_tokenizer(out)
+    config = {
+        "model_type": "modernbert", "architectures": ["ModernBertForSequenceClassification"],
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "intermediate_size": 96, "hidden_activation": "gelu",
+        "max_position_embeddings": MODERNBERT_MAX_LENGTH, "vocab_size": ids.pop("vocab_size"),
+        "norm_eps": 1e-5, "norm_bias": False, "global_attn_every_n_layers": 2,
+        "local_attention": MODERNBERT_WINDOW, "global_rope_theta": 160000.0,
+        "local_rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
+        "classifier_pooling": "mean", "classifier_activation": "gelu",
+        "classifier_bias": False, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+        "sentence_transformers": {"activation_fn": SIGMOID, "version": "4.1.0"},
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+        "bos_token_id": ids["cls_token_id"], "eos_token_id": ids["sep_token_id"], **ids}
+    _write_json(out / "config.json", config)
+    mx.random.seed(4680)
+    trunk = _scaled(modernbert.ModernBertModel(modernbert.ModelArgs.from_dict(config)).parameters())
+    weights = {"model." + k: v for k, v in trunk.items()}
+    weights.update(_head_weights(64, 4681, {"head.dense.weight": (64, 64),
+                                            "head.norm.weight": (64,),
+                                            "classifier.weight": (1, 64),
+                                            "classifier.bias": (1,)}))
+    weights["head.norm.weight"] = weights["head.norm.weight"] + 1.0
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    _cross_encoder_files(out)
+    return {"hidden_size": 64, "local_attention": MODERNBERT_WINDOW, "activation": "sigmoid",
+            **ids}
+
+
 def build_embedding_fixture(kind: str, root) -> Path:
     """Build (or reuse) the embedding / reranker fixture `kind` under `root`;
     returns its folder. The marker fixture.json holds the version and the
@@ -464,6 +586,12 @@ def build_embedding_fixture(kind: str, root) -> Path:
         info = _build_xlmr(out)
     elif kind == "modernbert_embed":
         info = _build_modernbert(out)
+    elif kind == "bert_rerank":
+        info = _build_bert_rerank(out)
+    elif kind == "xlmr_rerank":
+        info = _build_xlmr_rerank(out)
+    elif kind == "modernbert_rerank":
+        info = _build_modernbert_rerank(out)
     else:  # bert_cls: the same weights and tokenizer (same seed), CLS, unnormalized
         info = _build_bert(out, "cls_token", normalize=False)
     marker.write_text(json.dumps({"version": EMBEDDING_VERSION, "kind": kind, **info}))

@@ -372,7 +372,8 @@ def test_deterministic_idempotent_and_cli(built, tmp_path):
         assert build_embedding_fixture(kind, path.parent) == path  # reused, not rebuilt
         assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     # Another build, by the command line, is the same byte for byte.
-    for kind in ("qwen3_embed", "bert_embed", "xlmr_embed", "modernbert_embed", "qwen3_rerank"):
+    for kind in ("qwen3_embed", "bert_embed", "xlmr_embed", "modernbert_embed", "qwen3_rerank",
+                 "bert_rerank", "xlmr_rerank", "modernbert_rerank"):
         printed = subprocess.run(
             [sys.executable, "-m", "testkit.embedding_fixtures", kind, str(tmp_path)],
             check=True, capture_output=True, text=True).stdout.strip()

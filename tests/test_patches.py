@@ -72,7 +72,7 @@ def _modernbert(fixture_path, dtype):
 
     embedder, _ = load_embedder(str(fixture_path("modernbert_embed")), "embed", _mlx_lm_has)
     embedder.model.set_dtype(dtype)  # (as a converted model's weights, kept on a GPU)
-    inputs = [(list(range(7, 7 + n)), 0) for n in MODERNBERT_LENGTHS]
+    inputs = [(list(range(7, 7 + n)), 0, None) for n in MODERNBERT_LENGTHS]
     return Namespace(embedder=embedder), inputs
 
 
@@ -106,7 +106,7 @@ def test_modernbert_half_precision_batches_fail_without_patches(fixture_path, un
     dtype = mx.float16
     lm, inputs = _modernbert(fixture_path, dtype)
     longest = max(MODERNBERT_LENGTHS)
-    tokens = mx.array([ids + [0] * (longest - len(ids)) for ids, _ in inputs])
+    tokens = mx.array([ids + [0] * (longest - len(ids)) for ids, _, _ in inputs])
     mask = (mx.arange(longest)[None] < mx.array(MODERNBERT_LENGTHS)[:, None]).astype(dtype)
     hidden = np.array(lm.embedder.model.model(tokens, attention_mask=mask)[
         "last_hidden_state"].astype(mx.float32))

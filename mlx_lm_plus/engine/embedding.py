@@ -143,7 +143,8 @@ class EmbeddingRunner:
             if self.chunked is not None:
                 batch, values = self._next_chunk()
             else:
-                values = self._run(job.lm, [(j.plan.inputs[i], j.plan.starts[i])
+                values = self._run(job.lm, [(j.plan.inputs[i], j.plan.starts[i],
+                                             j.plan.segments[i] if j.plan.segments else None)
                                             for j, i in batch])
         except Exception as e:
             logging.exception("An embedding batch failed")
@@ -202,13 +203,21 @@ class EmbeddingRunner:
         return chosen
 
     def _run(self, lm, inputs) -> np.ndarray:
-        """One padded forward pass: pooled vectors or scores, as numpy."""
-        longest = max(len(ids) for ids, _ in inputs)
+        """One padded forward pass of `inputs` ((ids, pooling start, where
+        a BERT pair's second part starts or None) triples): pooled vectors
+        or scores, as numpy."""
+        longest = max(len(ids) for ids, _, _ in inputs)
         tokens = np.zeros((len(inputs), longest), dtype=np.int32)
-        for row, (ids, _) in enumerate(inputs):
+        types = None
+        if lm.embedder.token_types:
+            types = np.zeros((len(inputs), longest), dtype=np.int32)
+        for row, (ids, _, second) in enumerate(inputs):
             tokens[row, :len(ids)] = ids
-        lengths = mx.array([len(ids) for ids, _ in inputs])
-        hidden = lm.embedder.hidden(mx.array(tokens), lengths)
+            if types is not None:
+                types[row, second:len(ids)] = 1
+        lengths = mx.array([len(ids) for ids, _, _ in inputs])
+        hidden = lm.embedder.hidden(mx.array(tokens), lengths,
+                                    token_types=None if types is None else mx.array(types))
         return _outputs(lm.embedder, hidden, inputs)
 
     def _next_chunk(self):
@@ -225,7 +234,7 @@ class EmbeddingRunner:
         if run.at < len(ids):
             return [], []
         self.chunked = None
-        inputs = [(ids, run.job.plan.starts[run.index])]
+        inputs = [(ids, run.job.plan.starts[run.index], None)]
         return [(run.job, run.index)], _outputs(embedder, mx.concatenate(run.parts, axis=1),
                                                  inputs)
 
@@ -243,12 +252,12 @@ class _Chunked:
 
 
 def _outputs(embedder, hidden, inputs) -> np.ndarray:
-    """[B, L, H] hidden states of `inputs` ((ids, pooling start) pairs) ->
+    """[B, L, H] hidden states of `inputs` ((ids, pooling start, _)) ->
     their pooled vectors or rerank scores, as numpy float32."""
-    lengths = mx.array([len(ids) for ids, _ in inputs])
+    lengths = mx.array([len(ids) for ids, _, _ in inputs])
     if embedder.task == "rerank":
-        out = embedder.score(hidden[mx.arange(len(inputs)), lengths - 1])
+        out = embedder.scores(hidden, lengths)
     else:
-        out = embedder.pooling(hidden, lengths, mx.array([start for _, start in inputs]))
+        out = embedder.pooling(hidden, lengths, mx.array([start for _, start, _ in inputs]))
     mx.eval(out)
     return np.array(out, dtype=np.float32)

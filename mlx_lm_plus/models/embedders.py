@@ -10,6 +10,9 @@ A folder says what it is; nothing here guesses from a model's name:
   * `pipeline_tag: text-ranking` in the front matter of its README.md (the
     model card), on a causal LM: a reranker that scores "yes" against "no"
     after its prompt (Qwen3-Reranker);
+  * an encoder whose config.json names a sequence-classification
+    architecture with one label (BertForSequenceClassification...): a
+    cross-encoder reranker (cross_encoders.py);
   * anything else generates (chat and text completions).
 A --models-config entry's `task` overrides what the folder says.
 
@@ -31,6 +34,11 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
+
+from mlx_lm_plus.models.cross_encoders import (
+    ARCHITECTURES, CrossEncoderError, CrossEncoderHead, cross_encoder_family,
+    is_cross_encoder_folder, load_cross_encoder,
+)
 
 TASKS = ("generate", "embed", "rerank")
 # mlx-embeddings' encoder families served: every position's last hidden
@@ -109,7 +117,7 @@ def folder_task(path) -> str:
         return "generate"
     if any(isinstance(m, dict) and m.get("type") == ST_POOLING for m in _modules(folder)):
         return "embed"
-    if _pipeline_tag(folder) == "text-ranking":
+    if _pipeline_tag(folder) == "text-ranking" or is_cross_encoder_folder(folder):
         return "rerank"
     return "generate"
 
@@ -198,20 +206,37 @@ class Embedder:
     prompts: Dict[str, str] = field(default_factory=dict)
     default_prompt: Optional[str] = None
     yes_no: Optional[Tuple[int, int]] = None  # a reranker's "yes" and "no" token ids
+    cross_encoder: Optional[CrossEncoderHead] = None  # a cross-encoder reranker's head
     # The most characters one token stands for (WordPiece's [UNK] a whole
     # word, up to 100): a text over (context + 1) times this can't fit.
     longest_token: int = 100
     model_type: str = ""  # the config's
 
-    def hidden(self, tokens: mx.array, lengths: mx.array, cache=None) -> mx.array:
+    @property
+    def token_types(self) -> bool:
+        """Whether a rerank pair carries token type ids (a BERT cross-encoder)."""
+        return self.cross_encoder is not None and self.cross_encoder.token_types
+
+    def hidden(self, tokens: mx.array, lengths: mx.array, cache=None,
+               token_types: Optional[mx.array] = None) -> mx.array:
         """[B, L] token ids -> [B, L, H] last hidden states. `cache`: a
-        decoder's prompt cache, for an input run in chunks."""
+        decoder's prompt cache, for an input run in chunks; `token_types`:
+        [B, L] type ids of BERT pairs."""
         if self.decoder:
             return self.model.model(tokens, cache=cache)
         mask = (mx.arange(tokens.shape[1])[None] < lengths[:, None]).astype(mx.float32)
         if self.model_type == "modernbert":  # (its Model's output is pooled)
             return self.model.model(tokens, attention_mask=mask)["last_hidden_state"]
-        return self.model(tokens, attention_mask=mask).last_hidden_state
+        return self.model(tokens, attention_mask=mask, token_type_ids=token_types
+                          ).last_hidden_state
+
+    def scores(self, hidden: mx.array, lengths: mx.array) -> mx.array:
+        """[B, L, H] hidden states of right-padded rerank inputs -> [B]
+        float32 relevance scores: a cross-encoder's head, or a decoder's
+        yes/no at each prompt's last position."""
+        if self.cross_encoder is not None:
+            return self.cross_encoder(self.model, hidden, lengths)
+        return self.score(hidden[mx.arange(hidden.shape[0]), lengths - 1])
 
     def score(self, last_hidden: mx.array) -> mx.array:
         """[B, H] hidden states at each prompt's last position -> [B]
@@ -315,10 +340,15 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
         raise EmbedderError(
             f"{path}: model type {config.get('model_type')!r} is not served for {task}: "
             f"decoders mlx-lm loads, and encoders of types {ENCODER_TYPES}")
-    if not decoder and task == "rerank":
-        raise EmbedderError(f"{path}: cross-encoder rerankers are not served (a decoder "
-                            "reranker such as Qwen3-Reranker is)")
-    if task == "rerank" and config.get("model_type") != "qwen3":
+    family = None if decoder else cross_encoder_family(config)
+    if not decoder and task == "rerank" and family is None:
+        raise EmbedderError(f"{path}: an encoder serves /v1/rerank as a cross-encoder, with a "
+                            f"classification head ({', '.join(ARCHITECTURES)}); its config "
+                            f"names {config.get('architectures')}")
+    if family is not None and task != "rerank":
+        raise EmbedderError(f"{path}: a cross-encoder ({config.get('architectures')}) serves "
+                            "/v1/rerank, not embeddings")
+    if decoder and task == "rerank" and config.get("model_type") != "qwen3":
         # (Its prompt and yes/no scoring are Qwen3-Reranker's; another
         # family's may differ, or post-process its logits: Gemma's soft cap.)
         raise EmbedderError(f"{path}: rerankers of Qwen3-Reranker's kind (model type qwen3) "
@@ -342,7 +372,13 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
         given = {}
         if config.get("model_type") == "modernbert":
             given = _modernbert_config(config, path)
-        model, wrapper = load(str(folder), model_config=given)
+        if family is not None:
+            try:
+                model, wrapper, head = load_cross_encoder(folder, config, family, given)
+            except CrossEncoderError as e:
+                raise EmbedderError(str(e)) from None
+        else:
+            model, wrapper = load(str(folder), model_config=given)
     tokenizer = _hf_tokenizer(wrapper)
     width = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
     embedder = Embedder(task=task, model=model, tokenizer=tokenizer, decoder=decoder,
@@ -351,7 +387,9 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
                         default_prompt=default_prompt,
                         longest_token=max([100] + [len(t) for t in tokenizer.get_vocab()]),
                         model_type=str(config.get("model_type", "")))
-    if task == "rerank":
+    if family is not None:
+        embedder.cross_encoder = head
+    elif task == "rerank":
         embedder.yes_no = (_single_token(tokenizer, "yes", path),
                            _single_token(tokenizer, "no", path))
     return embedder, config

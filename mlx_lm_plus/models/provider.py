@@ -232,10 +232,11 @@ class LoadedModel(UpstreamModelProvider):
         self.config = config
         self.draft_model = None
         self.is_batchable = False
+        scoring = (embedder.pooling.mode if self.task == "embed" else
+                   "cross-encoder" if embedder.cross_encoder else "yes/no")
         logging.info(f"Loaded {model_path} as {'an embedding' if self.task == 'embed' else 'a reranking'} "
                      f"model ({'mlx-lm' if embedder.decoder else 'mlx-embeddings'}; "
-                     f"{embedder.pooling.mode if self.task == 'embed' else 'yes/no'} scoring, "
-                     f"context {embedder.context_length})")
+                     f"{scoring} scoring, context {embedder.context_length})")
 
     def _log_part(self, model_path, model, extra: str = ""):
         """Which part of mlx-lm's `model` this rank of mx.distributed holds."""

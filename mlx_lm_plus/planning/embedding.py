@@ -70,12 +70,15 @@ class EmbeddingArgs:
 class EmbeddingPlan:
     """What the generation thread runs for one request: its inputs' token
     ids, the position each input's pooling starts at (after a prompt left
-    out of it; 0 otherwise), and for which model and task."""
+    out of it; 0 otherwise), and for which model and task. `segments`: for
+    a BERT cross-encoder's pairs, where each document starts (its token type
+    ids are 1 from there; 0 before); empty otherwise."""
 
     model_key: object
     task: str  # "embed" or "rerank"
     inputs: Tuple[Tuple[int, ...], ...]
     starts: Tuple[int, ...]
+    segments: Tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -136,29 +139,47 @@ def plan_embeddings(embedder, key, request: EmbeddingsRequest) -> EmbeddingPlan:
 
 
 def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
-    """A /v1/rerank request as one prompt per document (Qwen3-Reranker's
-    template: RERANK_PREFIX, the instruction, query and document,
-    RERANK_SUFFIX)."""
+    """A /v1/rerank request as one input per document: for a decoder
+    reranker, a prompt in Qwen3-Reranker's template (RERANK_PREFIX, the
+    instruction, query and document, RERANK_SUFFIX); for a cross-encoder,
+    the pair (query, document) as its tokenizer joins them."""
     if embedder.task != "rerank":
         raise PromptError(f"Model {request.model!r} is not a reranker: /v1/rerank needs "
                           "a reranking model (GET /v1/models says which models rerank)")
+    cross = embedder.cross_encoder is not None
+    if cross and request.instruction is not None:
+        raise PromptError(f"Model {request.model!r} is a cross-encoder, which takes no "
+                          "instruction (a decoder reranker such as Qwen3-Reranker does)")
     instruction = request.instruction or RERANK_INSTRUCTION
-    shared = f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {request.query}\n"
-    # Every prompt repeats the query: a long one times 2,048 documents is
+    shared = (request.query if cross else
+              f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {request.query}\n")
+    # Every input repeats the query: a long one times 2,048 documents is
     # gigabytes of tokens from a small body. Its tokens, counted once (less
     # a token or two that may merge across its end), bound the request's
-    # before any prompt is tokenized.
+    # before any input is tokenized.
     at_least = max(0, len(embedder.tokenizer(shared, add_special_tokens=False)["input_ids"]) - 2)
     if at_least > embedder.context_length:
-        raise PromptError(f"The query and instruction have about {at_least} tokens, more "
-                          f"than the model's context of {embedder.context_length} tokens")
+        raise PromptError(f"The query {'has' if cross else 'and instruction have'} about "
+                          f"{at_least} tokens, more than the model's context of "
+                          f"{embedder.context_length} tokens")
     if at_least * len(request.documents) > MAX_REQUEST_TOKENS:
         raise PromptError(f"The request's {len(request.documents)} documents have at least "
                           f"{at_least * len(request.documents)} tokens in all (the query in "
                           f"each), more than {MAX_REQUEST_TOKENS} a request")
+    if cross:
+        segments = [] if embedder.token_types else None
+        inputs = _tokenized(embedder, list(request.documents), True, "document",
+                            query=request.query, segments=segments)
+        return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs),
+                             tuple(segments or ()))
     texts = [f"{shared}<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
     inputs = _tokenized(embedder, texts, False, "document")
     return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs))
+
+
+def _second_part(types) -> int:
+    """Where a pair's second part starts, from its token type ids."""
+    return next((k for k, t in enumerate(types) if t), len(types))
 
 
 def _put_before(tokenizer) -> int:
@@ -169,13 +190,16 @@ def _put_before(tokenizer) -> int:
     return next((k for k in range(len(full)) if full[k:k + len(plain)] == plain), 0)
 
 
-def _tokenized(embedder, texts, special_tokens: bool, what: str) -> list:
+def _tokenized(embedder, texts, special_tokens: bool, what: str, query: Optional[str] = None,
+               segments: Optional[list] = None) -> list:
     """Each of `texts` (a string, or token ids as given) as token ids,
     within the model's context and MAX_REQUEST_TOKENS in all (PromptError
     naming the first that isn't). The work is bounded by the limits, not by
     the body: a text too long to fit is refused from its length (no token
     covers more than `embedder.longest_token` characters), and tokenizing
-    stops at the slice that passes the total."""
+    stops at the slice that passes the total. `query`: each text is the
+    second of a pair (query, text), a cross-encoder's input; `segments`, if
+    a list, gets where each pair's second part starts (its type ids)."""
     context = embedder.context_length
     out, total = [], 0
     for at in range(0, len(texts), SLICE):
@@ -188,8 +212,16 @@ def _tokenized(embedder, texts, special_tokens: bool, what: str) -> list:
                 raise PromptError(f"The {what} at index {i} has {len(text)} characters: more "
                                   f"than the model's context of {context} tokens")
         strings = [t for t in part if isinstance(t, str)]
-        encoded = iter(embedder.tokenizer(strings, add_special_tokens=special_tokens)[
-            "input_ids"] if strings else [])
+        if query is None:
+            encoded = embedder.tokenizer(strings, add_special_tokens=special_tokens) \
+                if strings else {"input_ids": []}
+        else:
+            encoded = embedder.tokenizer([query] * len(strings), strings,
+                                         add_special_tokens=special_tokens,
+                                         return_token_type_ids=segments is not None)
+        if segments is not None:
+            segments += [_second_part(types) for types in encoded["token_type_ids"]]
+        encoded = iter(encoded["input_ids"])
         for i, text in enumerate(part, start=at):
             ids = tuple(next(encoded)) if isinstance(text, str) else text
             if not ids:

@@ -53,7 +53,7 @@ def test_passes_stay_within_the_budget_and_take_the_oldest_input_first(models):
     original = run._run
 
     def spy(lm_, inputs):
-        seen.append([len(i) for i, _ in inputs])
+        seen.append([len(i) for i, _, _ in inputs])
         return original(lm_, inputs)
 
     run._run = spy

@@ -1,12 +1,14 @@
 """/v1/embeddings and /v1/rerank end to end: a server with a chat model and
 tiny random embedders (a decoder, and BERT, XLM-RoBERTa and ModernBERT
-encoders) and a reranker (testkit/embedding_fixtures.py) beside it, against
+encoders) and rerankers (a decoder, and a cross-encoder of each encoder
+family) (testkit/embedding_fixtures.py) beside it, against
 references computed here from the same weights without the server: each
 input alone, unpadded, through a direct model call, pooled and scored by
 numpy code written here from the model cards' definitions."""
 
 import base64
 import json
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -25,6 +27,9 @@ EMBEDDERS = {"qembed": "qwen3_embed", "bembed": "bert_embed", "bcls": "bert_cls"
 # the pooling and whether a Normalize module follows.
 POOLING = {"qembed": ("last", True), "bembed": ("mean", True), "bcls": ("cls", False),
            "xembed": ("mean", True), "mbembed": ("mean", True)}
+# Cross-encoder rerankers, and what their folders say: the score's activation.
+CROSS_ENCODERS = {"brerank": "bert_rerank", "xrerank": "xlmr_rerank", "mbrerank": "modernbert_rerank"}
+ACTIVATION = {"brerank": "identity", "xrerank": "sigmoid", "mbrerank": "sigmoid"}
 # The modernbert_embed fixture's sliding window (local_attention): 8 either side.
 MODERNBERT_WINDOW = 16
 TEXTS = [
@@ -64,6 +69,7 @@ def stats(server):
 def paths(fixture_path):
     out = {name: str(fixture_path(kind)) for name, kind in EMBEDDERS.items()}
     out["rerank"] = str(fixture_path("qwen3_rerank"))
+    out.update({name: str(fixture_path(kind)) for name, kind in CROSS_ENCODERS.items()})
     out["chat"] = str(fixture_path(CHAT_KIND))
     return out
 
@@ -123,6 +129,65 @@ class Reference:
         if normalize:
             vector = vector / np.linalg.norm(vector)
         return vector
+
+    def _cross(self, name):
+        """A cross-encoder's trunk (mlx-embeddings' model of its family,
+        given the checkpoint's weights by name here), its tokenizer, its
+        weights and config."""
+        if name not in self.models:
+            from mlx_embeddings.models import bert, modernbert, xlm_roberta
+            from transformers import AutoTokenizer
+
+            folder = self.paths[name]
+            config = json.load(open(f"{folder}/config.json"))
+            weights = mx.load(f"{folder}/model.safetensors")
+            if name == "brerank":
+                trunk, prefix = bert.Model(bert.ModelArgs.from_dict(config)), "bert."
+            elif name == "xrerank":
+                trunk = xlm_roberta.Model(xlm_roberta.ModelArgs.from_dict(
+                    {**config, "add_pooling_layer": False}))
+                prefix = "roberta."
+            else:
+                trunk = modernbert.ModernBertModel(modernbert.ModelArgs.from_dict(config))
+                prefix = "model."
+            trunk.load_weights([(k[len(prefix):], v) for k, v in weights.items()
+                                if k.startswith(prefix) and "position_ids" not in k])
+            trunk.eval()  # (no dropout)
+            self.models[name] = (trunk, AutoTokenizer.from_pretrained(folder), weights)
+        return self.models[name]
+
+    def cross_score(self, name, query, document, token_types=True, pooling="mean"):
+        """The pair alone through the trunk, then transformers' head of its
+        family (BertForSequenceClassification's pooler and classifier,
+        XLMRobertaClassificationHead, ModernBERT's prediction head after
+        pooling) in numpy float64, and the folder's activation."""
+        trunk, tokenizer, weights = self._cross(name)
+        pair = tokenizer(query, document)
+        ids = mx.array([pair["input_ids"]])
+        if name == "brerank":
+            types = mx.array([pair["token_type_ids"]]) if token_types else None
+            hidden = trunk(ids, token_type_ids=types).last_hidden_state
+        elif name == "xrerank":
+            hidden = trunk(ids).last_hidden_state
+        else:
+            hidden = trunk(ids, attention_mask=mx.ones(ids.shape))["last_hidden_state"]
+        h = np.array(hidden.astype(mx.float32))[0].astype(np.float64)
+        w = {k: np.array(v).astype(np.float64) for k, v in weights.items() if "position" not in k}
+
+        def linear(name, x):
+            return w[f"{name}.weight"] @ x + w.get(f"{name}.bias", 0.0)
+
+        if name == "brerank":
+            logit = linear("classifier", np.tanh(linear("bert.pooler.dense", h[0])))
+        elif name == "xrerank":
+            logit = linear("classifier.out_proj", np.tanh(linear("classifier.dense", h[0])))
+        else:
+            x = linear("head.dense", h.mean(axis=0) if pooling == "mean" else h[0])
+            x = 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))  # exact GELU
+            x = (x - x.mean()) / np.sqrt(x.var() + 1e-5) * w["head.norm.weight"]
+            logit = linear("classifier", x)
+        logit = float(logit[0])
+        return logit if ACTIVATION[name] == "identity" else 1 / (1 + math.exp(-logit))
 
     def score(self, query, document, instruction=INSTRUCTION):
         model, tokenizer = self._load("rerank")
@@ -275,6 +340,51 @@ def test_rerank_scores_sorted_with_documents(server, reference):
     assert len({round(s, 6) for s in expected}) == len(docs)  # (the scores tell them apart)
 
 
+@pytest.mark.parametrize("name", sorted(CROSS_ENCODERS))
+def test_cross_encoder_scores_equal_each_pair_alone_through_the_model(server, reference, name):
+    # Documents of 1 to ~40 words in one request: one padded pass.
+    docs = ["cats eat mice and fish", "the sky is blue", "a",
+            "dogs bark at night when the moon is high over the river and the town",
+            " ".join(["river"] * 40)]
+    query = "what do cats eat"
+    expected = [reference.cross_score(name, query, d) for d in docs]
+    status, answer = post(server, "/v1/rerank", {"model": name, "query": query,
+                                                 "documents": docs})
+    assert status == 200, answer
+    assert [r["index"] for r in answer["results"]] == sorted(
+        range(len(docs)), key=lambda i: -expected[i])
+    for r in answer["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+        assert r["document"] == {"text": docs[r["index"]]}
+    # Each document alone, and concurrent requests of other lengths, give
+    # the same scores (nothing depends on what a pair is padded with).
+    answers = [None] * len(docs)
+
+    def alone(i):
+        answers[i] = post(server, "/v1/rerank", {"model": name, "query": query,
+                                                 "documents": [docs[i]]})
+
+    threads = [threading.Thread(target=alone, args=(i,)) for i in range(len(docs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (status, answer) in enumerate(answers):
+        assert status == 200, answer
+        assert answer["results"][0]["relevance_score"] == pytest.approx(expected[i], abs=1e-5)
+    # What the reference would catch: the scores tell the documents apart,
+    # BERT's token types and ModernBERT's pooling move them, and ms-marco's
+    # raw logits leave [0, 1].
+    assert len({round(s, 4) for s in expected}) == len(docs)
+    if name == "brerank":
+        assert abs(reference.cross_score(name, query, docs[0], token_types=False)
+                   - expected[0]) > 1e-3
+        assert any(not 0 <= s <= 1 for s in expected)
+    if name == "mbrerank":
+        assert abs(reference.cross_score(name, query, docs[3], pooling="cls")
+                   - expected[3]) > 1e-3
+
+
 BAD = [
     ("/v1/embeddings", {"model": "bembed"}, "input"),
     ("/v1/embeddings", {"model": "bembed", "input": ""}, "empty"),
@@ -298,6 +408,11 @@ BAD = [
     ("/v1/rerank", {"model": "rerank", "query": "", "documents": ["d"]}, "query"),
     ("/v1/rerank", {"model": "rerank", "query": "q", "documents": [3]}, "documents[0]"),
     ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+    ("/v1/rerank", {"model": "brerank", "query": "q", "documents": ["d"], "instruction": "x"},
+     "takes no instruction"),
+    ("/v1/rerank", {"model": "xrerank", "query": "q", "documents": ["d", "word " * 200]},
+     "index 1 has"),
+    ("/v1/embeddings", {"model": "mbrerank", "input": "x"}, "reranking model"),
     ("/v1/chat/completions", {"model": "qembed", "messages": [{"role": "user",
                                                                 "content": "hi"}]},
      "embedding model"),
@@ -331,7 +446,8 @@ def test_models_list_says_what_each_model_serves(server):
     with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as r:
         listed = {m["id"]: m["task"] for m in json.loads(r.read())["data"]}
     assert listed == {"qembed": "embed", "bembed": "embed", "bcls": "embed", "xembed": "embed",
-                      "mbembed": "embed", "rerank": "rerank", "chat": "generate"}
+                      "mbembed": "embed", "rerank": "rerank", "brerank": "rerank",
+                      "xrerank": "rerank", "mbrerank": "rerank", "chat": "generate"}
 
 
 def test_requests_for_models_that_evict_one_another_are_all_answered(paths, reference,

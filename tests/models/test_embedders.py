@@ -21,6 +21,8 @@ def test_the_folder_says_what_it_serves(fixture_path):
     assert folder_task(fixture_path("xlmr_embed")) == "embed"
     assert folder_task(fixture_path("modernbert_embed")) == "embed"
     assert folder_task(fixture_path("qwen3_rerank")) == "rerank"
+    for kind in ("bert_rerank", "xlmr_rerank", "modernbert_rerank"):  # (their configs)
+        assert folder_task(fixture_path(kind)) == "rerank"
     assert folder_task(fixture_path("qwen3")) == "generate"
     assert folder_task("no/such-repo") == "generate"
 
@@ -89,6 +91,67 @@ def test_one_folder_serves_one_task(tmp_path, fixture_path, capsys):
     with pytest.raises(SystemExit):  # (at startup, with the reason)
         parse_args(["--models-config", str(config)])
     assert "ask for different tasks" in capsys.readouterr().err
+
+
+def _with_config(fixture_path, tmp_path, kind, **changes):
+    """A copy of fixture `kind` whose config.json has `changes` (None: removed)."""
+    folder = tmp_path / f"{kind}-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(fixture_path(kind), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_cross_encoders_score_as_their_config_says(fixture_path, tmp_path):
+    heads = {kind: load_embedder(str(fixture_path(kind)), "rerank", _mlx_lm_has)[0].cross_encoder
+             for kind in ("bert_rerank", "xlmr_rerank", "modernbert_rerank")}
+    # ms-marco's Identity; bge's nothing (CrossEncoder's sigmoid for one
+    # label); sentence-transformers 4's activation_fn; ModernBERT's pooling.
+    assert (heads["bert_rerank"].activation, heads["bert_rerank"].token_types) == ("identity", True)
+    assert (heads["xlmr_rerank"].activation, heads["xlmr_rerank"].token_types) == ("sigmoid", False)
+    assert (heads["modernbert_rerank"].activation, heads["modernbert_rerank"].pooling) == (
+        "sigmoid", "mean")
+    # transformers' default pooling for ModernBERT is CLS.
+    path = _with_config(fixture_path, tmp_path, "modernbert_rerank", classifier_pooling=None)
+    assert load_embedder(path, "rerank", _mlx_lm_has)[0].cross_encoder.pooling == "cls"
+    path = _with_config(fixture_path, tmp_path, "bert_rerank",
+                        sbert_ce_default_activation_function=None)
+    assert load_embedder(path, "rerank", _mlx_lm_has)[0].cross_encoder.activation == "sigmoid"
+    # The same model under each activation: sigmoid and tanh of its logits.
+    hidden = mx.random.normal((3, 7, 64), key=mx.random.key(0))
+    lengths = mx.array([7, 3, 5])
+    scores = {}
+    for activation in ("Identity", "Sigmoid", "Tanh"):
+        name = {"Identity": "linear.Identity"}.get(activation, f"activation.{activation}")
+        path = _with_config(fixture_path, tmp_path, "bert_rerank",
+                            sbert_ce_default_activation_function=f"torch.nn.modules.{name}")
+        embedder = load_embedder(path, "rerank", _mlx_lm_has)[0]
+        scores[activation] = np.array(embedder.scores(hidden, lengths))
+    np.testing.assert_allclose(scores["Sigmoid"], 1 / (1 + np.exp(-scores["Identity"])), atol=1e-6)
+    np.testing.assert_allclose(scores["Tanh"], np.tanh(scores["Identity"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, changes, says", [
+    ("bert_rerank", {"id2label": {"0": "a", "1": "b"}}, "2 labels"),
+    ("bert_rerank", {"sbert_ce_default_activation_function": "torch.nn.Softmax"}, "activation"),
+    ("xlmr_rerank", {"problem_type": "multi_label_classification"}, "problem_type"),
+    ("modernbert_rerank", {"classifier_pooling": "max"}, "classifier_pooling"),
+    ("modernbert_rerank", {"classifier_activation": "silu"}, "classifier_activation"),
+])
+def test_cross_encoders_it_would_run_wrongly_are_refused(fixture_path, tmp_path, kind,
+                                                         changes, says):
+    with pytest.raises(EmbedderError, match=says):
+        load_embedder(_with_config(fixture_path, tmp_path, kind, **changes), "rerank",
+                      _mlx_lm_has)
+
+
+def test_a_cross_encoder_reranks_and_an_embedder_embeds(fixture_path):
+    with pytest.raises(EmbedderError, match="serves /v1/rerank, not embeddings"):
+        load_embedder(str(fixture_path("bert_rerank")), "embed", _mlx_lm_has)
+    with pytest.raises(EmbedderError, match="classification head"):
+        load_embedder(str(fixture_path("bert_embed")), "rerank", _mlx_lm_has)
 
 
 def test_rerankers_and_decoders_it_would_run_wrongly_are_refused(fixture_path, tmp_path):

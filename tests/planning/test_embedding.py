@@ -31,7 +31,8 @@ class Counting:
 def embedders(fixture_path):
     return {kind: load_embedder(str(fixture_path(kind)), task, _mlx_lm_has)[0]
             for kind, task in (("qwen3_embed", "embed"), ("bert_embed", "embed"),
-                               ("qwen3_rerank", "rerank"))}
+                               ("qwen3_rerank", "rerank"), ("bert_rerank", "rerank"),
+                               ("xlmr_rerank", "rerank"))}
 
 
 @contextlib.contextmanager
@@ -77,3 +78,25 @@ def test_token_ids_and_texts_keep_their_order_and_prompt_starts(embedders):
     plan = plan_embeddings(bert, "k", EmbeddingsRequest("m", ("a dog", ids, "a cat")))
     assert plan.inputs[1] == ids == plan.inputs[2]
     assert plan.starts == (0, 0, 0) and plan.prompt_tokens == sum(map(len, plan.inputs))
+
+
+def test_a_cross_encoder_s_inputs_are_its_tokenizer_s_pairs(embedders):
+    docs = ("cats eat mice", "the sky is blue over the river", "a")
+    for kind in ("bert_rerank", "xlmr_rerank"):
+        model = embedders[kind]
+        plan = plan_rerank(model, "k", RerankRequest("m", "what do cats eat", docs))
+        want = [model.tokenizer("what do cats eat", d) for d in docs]
+        assert plan.inputs == tuple(tuple(w["input_ids"]) for w in want)
+        if kind == "bert_rerank":  # (the document's type ids start after the query's [SEP])
+            assert plan.segments == tuple(w["token_type_ids"].index(1) for w in want)
+            assert len(set(plan.segments)) == 1 and 0 < plan.segments[0] < len(plan.inputs[2])
+        else:  # XLM-RoBERTa has one token type
+            assert plan.segments == ()
+        with pytest.raises(PromptError, match="takes no instruction"):
+            plan_rerank(model, "k", RerankRequest("m", "q", ("d",), instruction="x"))
+        with pytest.raises(PromptError, match="document at index 1 has"):
+            plan_rerank(model, "k", RerankRequest("m", "q", ("d", "word " * 200)))
+        with counting(model) as tokenizer:  # (a query past the context: no pair tokenized)
+            with pytest.raises(PromptError, match="The query has about"):
+                plan_rerank(model, "k", RerankRequest("m", "cat " * 200, ("d",) * 2048))
+            assert tokenizer.texts == 1
