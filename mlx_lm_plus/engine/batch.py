@@ -156,7 +156,7 @@ class _Batch:
         most = (self.host.cli_args.prompt_lookup_tokens if self.draft_model is None
                 else min(a.args.num_draft_tokens, MAX_DRAFT_TOKENS))
         if (self.lookups is not None and most > 0
-                and speculation.proposes_for(a.args, a.budget, a.constraint)):
+                and speculation.proposes_for(a.args)):
             self.lookups[uid] = speculation.RowLookup(
                 speculation.RowSampling.of(a.args.sampling), most)
         a.channel.put(a.ctx)

@@ -31,10 +31,18 @@ Recurrent layers (hybrid models, Mamba) have each row's state set back to
 the one after what it kept, from taps at every position of the call
 (rollback.py).
 
-Rows that do not propose (in this version): rows with a grammar or a
-thinking budget (processors that keep state from call to call: they would
-have to unsee rejected tokens), seeded rows that sample (their draws
-follow upstream's seeded text) and XTC; and no row of a model with layers
+Structured output: a row with a grammar proposes while the grammar applies
+(ConstraintProcessor.proposal_masks): its position after each proposal is
+masked as the plain step would mask it there, from the grammar's state
+after the proposals before it, which llguidance then rolls back; the kept
+tokens are consumed at the next step, as any generated ones. Its proposals
+stop at a token the grammar refuses or one that would end it or open or
+close a strict tool call, and the row never carries (the grammar reads the
+row's tokens in the KV). A row with a thinking budget still counting
+proposes nothing (a count can't unsee a rejected token).
+
+Rows that do not propose (in this version): seeded rows that sample (their
+draws follow upstream's seeded text) and XTC; and no row of a model with layers
 other than plain KV and tapped recurrent ones (sliding windows, quantized
 KV: not rolled back here), of a vision model, or under mx.distributed. Rows
 that do not propose still share a verifying step: position 0 is theirs,
@@ -80,15 +88,41 @@ EXPLORE_EVERY = 256  # steps without a check before one is made regardless
 MAX_STEP_GROWTH = 1.5
 
 
-def proposes_for(args, budget, constraint) -> bool:
-    """Whether a request's row proposes: not seeded (greedy, a seed draws
-    nothing), no XTC, and of logits
-    processors only upstream's (penalties, logit_bias: functions of the
-    context they are handed), not a thinking budget's or a grammar's, which
-    keep state from call to call and can't unsee a rejected token."""
+def proposes_for(args) -> bool:
+    """Whether a request's row may propose: not seeded (greedy, a seed
+    draws nothing), no XTC. (A grammar or a thinking budget decides step by
+    step: checked_proposal.)"""
     s = args.sampling
-    return ((args.seed is None or s.temperature == 0) and s.xtc_probability <= 0
-            and budget is None and constraint is None)
+    return (args.seed is None or s.temperature == 0) and s.xtc_probability <= 0
+
+
+def checked_proposal(processors, proposal: List[int], vocab: int):
+    """How many of `proposal` a row with logits `processors` checks, and
+    the masks of its grammar at the positions after them ([n, vocab] bool;
+    None: no mask). Upstream's processors (penalties, logit_bias) are
+    functions of the tokens they are handed and let every one through; a
+    batched one (a thinking budget, a grammar: state kept from call to
+    call) says what it can follow (proposal_masks)."""
+    n, keep = len(proposal), None
+    for processor in processors or ():
+        if hasattr(processor, "mask_batch"):
+            m, masks = processor.proposal_masks(proposal[:n], vocab)
+            n = min(n, m)
+            if masks is not None:
+                keep = masks
+    return n, None if keep is None else keep[:n]
+
+
+def follows_proposals(processors) -> bool:
+    """Whether a row's batched processors can follow proposals now (its
+    grammar applies, its budget is done; before this step's token: the
+    check itself decides, checked_proposal)."""
+    return all(p.follows_proposals for p in processors or () if hasattr(p, "mask_batch"))
+
+
+def _stateful(processors) -> bool:
+    """Whether a row's processors keep state between steps (batched ones)."""
+    return any(hasattr(p, "mask_batch") for p in processors or ())
 
 
 class StepCost:
@@ -207,7 +241,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self.after_check = True  # (this step's time has the draft's chunk in it)
         tic, rows = time.perf_counter(), len(self.uids)
         lookups = [self.lookups.get(uid) for uid in self.uids]
-        looking = [lookup is not None and lookup.ready() for lookup in lookups]
+        processors = self.logits_processors or [None] * rows
+        # (A row whose grammar or budget can't follow proposals now waits,
+        # without counting a miss.)
+        looking = [lookup is not None and lookup.ready() and follows_proposals(procs)
+                   for lookup, procs in zip(lookups, processors)]
         if self.draft is not None:  # (rows still catching up propose nothing)
             joined = set(self.draft.order)
             looking = [look and uid in joined for look, uid in zip(looking, self.uids)]
@@ -316,6 +354,16 @@ class SpeculativeGenerationBatch(GenerationBatch):
             pending_logits, contexts = process_rows(self, self._next_tokens, pending_logits)
         else:
             contexts = []
+        # Rows with a grammar or a budget, now that this step's token is in
+        # them: what they check of their proposals (the rest is rejected, as
+        # any), and their grammar's masks at the positions after each.
+        masks = {}
+        for i, p in enumerate(proposals):
+            if p and self.logits_processors and _stateful(self.logits_processors[i]):
+                n, keep = checked_proposal(self.logits_processors[i], p, logits.shape[-1])
+                proposals[i] = p[:n]
+                if keep is not None and n:
+                    masks[i] = keep
         first = pending_logits - mx.logsumexp(pending_logits, axis=-1, keepdims=True)
         plain = [i for i in range(rows) if not proposals[i]]
         samplers = [self.fallback_sampler if s is None else s
@@ -330,14 +378,16 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 plain_next[i] = token
 
         # A proposing row's logprobs at its pending token and each proposal.
-        # Its processors (penalties, logit_bias: functions of the tokens
-        # before a position, nothing kept between calls; proposes_for) see at
-        # position j the pending token and the j proposals before it.
+        # Its own processors (penalties, logit_bias: functions of the tokens
+        # before a position, nothing kept between calls) see at position j
+        # the pending token and the j proposals before it; then its grammar's
+        # mask there.
         row_logprobs = {}
         for i, p in enumerate(proposals):
             if not p:
                 continue
-            processors = self.logits_processors[i] if self.logits_processors else None
+            processors = [q for q in (self.logits_processors[i] if self.logits_processors
+                                      else ()) if not hasattr(q, "mask_batch")]
             after = logits[i, at[i] + 1:at[i] + 1 + len(p), :]
             if processors:
                 context = self._token_context[i].update_and_fetch(mx.array([], mx.int32))
@@ -352,6 +402,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                         row = processor(seen, row)
                     rows_after.append(row)
                 after = mx.concatenate(rows_after, axis=0)
+            if i in masks:
+                after = mx.where(mx.array(masks[i]), after, -mx.inf)
             after = after - mx.logsumexp(after, axis=-1, keepdims=True)
             row_logprobs[i] = mx.concatenate([first[i:i + 1], after], axis=0)
         checks = {i: self._check(self.lookups[self.uids[i]].sampling, lp, proposals[i])
@@ -390,6 +442,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # its KV keeps, from the taps; rollback.py.)
         rejected = [width - len(v) for v in valid]
         drop = self._drop(rejected)
+        # (Never carried: a grammar or budget reads the row's tokens in the KV.)
+        stateful = [rejected[i] for i in range(rows)
+                    if self.logits_processors and _stateful(self.logits_processors[i])]
+        drop = min([drop] + stateful)
         rolled = [max(0, r - drop) for r in rejected]
         kv = self._kv_layers()
         for c in kv:

@@ -16,7 +16,7 @@ it never raises into the batch (see ConstraintProcessor).
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -95,8 +95,12 @@ class ConstraintProcessor:
     otherwise queues the next step before the previous one is done); that
     wait happens while thinking too.
 
-    Not for speculative decoding (tokens that are rolled back are not
-    un-consumed); one processor per request, never shared or reused.
+    Speculative decoding: `proposal_masks` gives the masks of the positions
+    after proposed tokens, leaving the grammar as it was; the tokens a
+    check keeps are consumed at the next step, with the token sampled after
+    them, as any generated ones. Called alone (`__call__`), it sees every
+    token it is handed as kept. One processor per request, never shared or
+    reused.
     """
 
     ORDER = 1  # (batched after a thinking budget: patches/batched_logits_processors)
@@ -168,6 +172,59 @@ class ConstraintProcessor:
             p._seen = len(history) + 1
             needs.append((e, p, need))
         return _mask(shape, needs, tic)
+
+    @property
+    def follows_proposals(self) -> bool:
+        """Whether proposals may be checked now (see proposal_masks)."""
+        return self.error is None and (self.state == _FREE or (
+            self.state == _ACTIVE and not self.matcher.is_stopped()))
+
+    def proposal_masks(self, proposal: Sequence[int], vocab: int
+                       ) -> Tuple[int, Optional[np.ndarray]]:
+        """For a speculative check of `proposal`, tokens proposed after
+        the one this step's mask was made for (mask_batch consumed it): how
+        many of them the row may check, and the allowed ids at the position
+        after each of those ([n, vocab] bool; None: all allowed). The
+        grammar is left as it was (llguidance rolls back what this consumed).
+
+        A row checks none unless the grammar applies (not thinking, not
+        complete or failed), and none from a token the grammar refuses (its
+        position's mask, made before it, then decides) or one that would
+        change the state: the token that ends the grammar (then EOS only),
+        closes a strict tool call, or opens one (the model writes freely
+        until then: no mask). Such a token is sampled at the last position
+        checked, as a plain step would."""
+        if self.error is not None:
+            return 0, None
+        if self.state == _FREE:
+            n = proposal.index(self._trigger) if self._trigger in proposal else len(proposal)
+            return n, None
+        matcher = self.matcher
+        if self.state != _ACTIVE or matcher.is_stopped():
+            return 0, None
+        valid = matcher.validate_tokens(list(proposal))
+        bitmask = np.zeros((valid, self._words), dtype=np.int32)
+        consumed = checked = 0
+        for token in proposal[:valid]:
+            if not matcher.consume_token(token):
+                break
+            consumed += 1
+            if matcher.is_stopped() or (self._trigger is not None and matcher.is_accepting()):
+                break
+            row = bitmask[checked]
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            checked += 1
+        if consumed and not matcher.rollback(consumed):
+            # (The grammar can't be trusted from here: end the request, as
+            # for any grammar failure.)
+            self._fail()
+            return 0, None
+        bits = np.unpackbits(bitmask[:checked].view(np.uint8), axis=1,
+                             bitorder="little").view(bool)
+        keep = np.zeros((checked, vocab), dtype=bool)
+        known = min(vocab, bits.shape[1])
+        keep[:, :known] = bits[:, :known]
+        return checked, keep
 
     def _first(self, context) -> str:
         """The first call: the prompt sets the thinking state."""

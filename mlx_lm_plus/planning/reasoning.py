@@ -84,6 +84,16 @@ class ThinkingBudget:
         """Nothing left to do for this row (the batched step drops it)."""
         return self.state == _DONE
 
+    @property
+    def follows_proposals(self) -> bool:
+        return self.done
+
+    def proposal_masks(self, proposal, vocab):
+        """For a speculative check (ConstraintProcessor.proposal_masks):
+        a budget still counting checks nothing (its count can't unsee a
+        rejected token); a done one lets every proposal through."""
+        return (len(proposal), None) if self.done else (0, None)
+
     @staticmethod
     def mask_batch(rows, shape) -> Optional[LogitMask]:
         """The mask of all budgeted rows of a batch step (mlx_lm_plus/

@@ -48,9 +48,9 @@ def chat(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
 
-def run(runner, bodies):
+def run(runner, bodies, path="/v1/chat/completions"):
     """Each request's (tokens, logprobs of those tokens, prompt tokens)."""
-    channels = [runner.submit(b) for b in bodies]
+    channels = [runner.submit(b, path=path) for b in bodies]
     out = []
     for channel in channels:
         tokens, logprobs, ctx = [], [], None
@@ -542,3 +542,142 @@ def test_recurrent_states_held_by_a_check_stay_in_their_budget(fixture_path, mon
     finally:
         off.close()
         on.close()
+
+
+TOOL = {"type": "function", "function": {
+    "name": "move", "description": "Move to a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+GRAMMARS = [
+    # A string grammar (the JSON runs past max_tokens), and one that ends
+    # early (then EOS only): proposals past its last token are cut.
+    chat("Give me JSON about a city.", max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}},
+            "required": ["name"]}}}),
+    chat("Which city?", max_tokens=30, chat_template_kwargs={"enable_thinking": False},
+         response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "London", "Rome"]},
+                                             "ok": {"type": "boolean"}},
+            "required": ["city", "ok"], "additionalProperties": False}}}),
+    # A forced tool call (the grammar from its first token), with a penalty.
+    chat("Go somewhere.", max_tokens=40, tools=[TOOL], tool_choice="required",
+         repetition_penalty=1.2),
+    # Strict tools: free text until the model opens a call (none here).
+    chat("Talk, then maybe move.", max_tokens=35, tools=[{**TOOL, "function": {
+        **TOOL["function"], "strict": True}}]),
+    chat("A plain row beside them.", max_tokens=30),
+    # A thinking budget that closes the block for the model: no proposals
+    # while it counts (a rejected token would be counted), then the grammar's.
+    chat("Think a little, then JSON.", max_tokens=40, thinking_budget=6,
+         chat_template_kwargs={"enable_thinking": True}, response_format={
+             "type": "json_schema", "json_schema": {"name": "c", "schema": {
+                 "type": "object", "properties": {"name": {"type": "string"}},
+                 "required": ["name"]}}}),
+]
+
+
+def run_with_figures(runner, bodies, path="/v1/chat/completions"):
+    """Each request's (tokens, logprobs, its speculation figures)."""
+    channels = [runner.submit(b, path=path) for b in bodies]
+    out = []
+    for channel in channels:
+        tokens, logprobs, ctx = [], [], None
+        while (item := channel.items.get(timeout=120)) is not None:
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Response):
+                tokens.append(item.token)
+                logprobs.append(item.logprob)
+            elif not isinstance(item, tuple):
+                ctx = item
+        out.append((tokens, logprobs, getattr(ctx, "speculation", None)))
+    return out
+
+
+@pytest.mark.parametrize("drop", [None, "carry", "roll"])
+def test_rows_with_a_grammar_propose_and_write_what_they_would_without(
+        pair, monkeypatch, drop):
+    """Structured output, a forced tool call and strict tools, each beside
+    the others and a plain row: their proposals are checked under the mask
+    their grammar gives each position (the grammar rolled back after), so
+    the tokens and logprobs are those without speculation, and each
+    grammar row kept some. Their proposals are cut where the grammar
+    refuses a token or would end; they never carry (forced carrying
+    included)."""
+    off, on = pair
+    forced(monkeypatch, drop)
+    reference = run(off, GRAMMARS)
+    oracle = Oracle(reference, corrupt=0.3, seed=3).install(monkeypatch)
+    cut = []
+    real = speculation.checked_proposal
+
+    def checked(processors, proposal, vocab):
+        n, keep = real(processors, proposal, vocab)
+        cut.append(n < len(proposal))
+        return n, keep
+
+    monkeypatch.setattr(speculation, "checked_proposal", checked)
+    got = run_with_figures(on, GRAMMARS)
+    for (want, want_lp, _), (tokens, lp, figures), body in zip(reference, got, GRAMMARS):
+        assert tokens == want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        assert figures and figures["accepted"] > 0, (body["messages"], figures)
+    assert oracle.calls > 5 and any(cut) and not all(cut)
+    # The one that ends: its JSON is complete, then EOS.
+    ended = on.loaded.tokenizer.decode(got[1][0])
+    assert ended.startswith('{"city": "') and len(got[1][0]) < 30, ended
+
+
+def test_a_thinking_budget_proposes_once_it_is_done(pair, monkeypatch):
+    """Rows whose prompt opens the think block, with a budget: no proposals
+    while it counts (it counts a token a step: a kept proposal would go
+    uncounted), then proposals; the text is the text without speculation,
+    the block closed at the same token."""
+    off, on = pair
+    forced(monkeypatch)
+    opened = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    bodies = [{"prompt": opened + text, "max_tokens": 30, "thinking_budget": budget}
+              for text, budget in (("", 6), ("Well", 9), ("", 3))]
+    reference = run(off, bodies, path="/v1/completions")
+    Oracle(reference, corrupt=0.2, seed=5).install(monkeypatch)
+    got = run_with_figures(on, bodies, path="/v1/completions")
+    end = on.loaded.tokenizer.think_end_tokens[0]
+    for body, (want, want_lp, _), (tokens, lp, figures) in zip(bodies, reference, got):
+        assert tokens == want and end in want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        assert figures and figures["accepted"] > 0, figures
+
+
+def test_sampled_rows_with_a_grammar_keep_their_distribution(fixture_path, monkeypatch):
+    """At temperature 1, a schema whose answer is one of five strings: with
+    the greedy answer always proposed, the answers are distributed as
+    without proposals (chi-square, 480 requests each): a proposal is kept
+    with its probability under the grammar's mask, and the residual drawn
+    from the masked distribution."""
+    body = chat("Pick one.", max_tokens=8, temperature=1.0,
+                chat_template_kwargs={"enable_thinking": False}, response_format={
+                    "type": "json_schema", "json_schema": {"name": "p", "schema": {
+                        "type": "string", "enum": ["oak", "elm", "ash", "yew", "fir"]}}})
+    counts = {}
+    for name, argv in (("off", []), ("on", LOOKUP)):
+        runner = EngineRunner(fixture_path("qwen3"), argv=argv)
+        try:
+            (greedy, _, prompt), = run(runner, [{**body, "temperature": 0.0}])
+            mx.random.seed(13)
+            if name == "on":
+                oracle = Oracle([(greedy, None, prompt)], corrupt=0.0).install(monkeypatch)
+                forced(monkeypatch)
+            seen = Counter()
+            for _ in range(0, 480, 8):
+                for tokens, _, _ in run(runner, [body] * 8):
+                    seen[runner.loaded.tokenizer.decode(tokens).replace("<|im_end|>", "")] += 1
+            counts[name] = seen
+            if name == "on":
+                assert oracle.calls > 50
+        finally:
+            monkeypatch.undo()
+            runner.close()
+    assert set(counts["off"]) <= {'"oak"', '"elm"', '"ash"', '"yew"', '"fir"'}, counts
+    assert_same_distribution(counts)
