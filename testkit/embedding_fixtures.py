@@ -48,6 +48,7 @@ be tested without downloads:
       (`sbert_ce_default_activation_function`: Identity);
     - `xlmr_rerank` like BAAI/bge-reranker-v2-m3: XLM-RoBERTa, no pooler,
       the score a sigmoid (no activation named: CrossEncoder's default);
+      its card says text-classification (its config says what it is);
     - `modernbert_rerank` like Alibaba-NLP/gte-reranker-modernbert-base:
       ModernBERT with mean pooling before its head, the score a sigmoid
       (`sentence_transformers.activation_fn`).
@@ -475,10 +476,11 @@ def _head_weights(hidden: int, seed: int, names) -> dict:
             for name, shape in names.items()}
 
 
-def _cross_encoder_files(out: Path) -> None:
-    # (A CrossEncoder folder: no modules.json; the card names the task.)
+def _cross_encoder_files(out: Path, pipeline_tag: str = "text-ranking") -> None:
+    # (A CrossEncoder folder: no modules.json; the card may name the task,
+    # or only a classification, as bge-reranker's.)
     _readme(out / "README.md", license="apache-2.0", library_name="sentence-transformers",
-            pipeline_tag="text-ranking", tags=["sentence-transformers", "cross-encoder"])
+            pipeline_tag=pipeline_tag, tags=["sentence-transformers", "cross-encoder"])
 
 
 def _build_bert_rerank(out: Path) -> dict:
@@ -528,7 +530,7 @@ def _build_xlmr_rerank(out: Path) -> dict:
         "classifier.dense.weight": (64, 64), "classifier.dense.bias": (64,),
         "classifier.out_proj.weight": (1, 64), "classifier.out_proj.bias": (1,)}))
     mx.save_safetensors(str(out / "model.safetensors"), weights)
-    _cross_encoder_files(out)
+    _cross_encoder_files(out, pipeline_tag="text-classification")
     return {"hidden_size": 64, "context_length": XLMR_CONTEXT, "activation": "sigmoid", **ids}
 
 

@@ -8,7 +8,7 @@ BAAI/bge-reranker-base and -v2-m3, Alibaba-NLP/gte-reranker-modernbert-base).
     scores = head(model, hidden, lengths)        # [B] float32
 
 A folder is one when its config.json's `architectures` names one of
-ARCHITECTURES with one label. The encoder is mlx-embeddings' model of its
+ARCHITECTURES (served with one label; another count is refused at load). The encoder is mlx-embeddings' model of its
 family, loaded with the folder's weights. Its head is written here because
 mlx-embeddings 0.1.0 has none for BERT or XLM-RoBERTa (its models load the
 trunk only, and a checkpoint's `classifier.*` fails its strict load), and
@@ -45,12 +45,9 @@ ARCHITECTURES = {
 # The prefix of the trunk's weights in transformers' checkpoints, which
 # mlx-embeddings' models hold at their top (ModernBERT's keep theirs).
 _TRUNK_PREFIX = {"bert": "bert.", "xlm-roberta": "roberta."}
-# Activations named in the folder's config -> what the score goes through.
-_ACTIVATIONS = {
-    "torch.nn.modules.activation.Sigmoid": "sigmoid",
-    "torch.nn.modules.linear.Identity": "identity",
-    "torch.nn.modules.activation.Tanh": "tanh",
-}
+# Activations named in the folder's config (torch.nn's classes, by their
+# full or short path) -> what the score goes through.
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
 
 
 class CrossEncoderError(ValueError):
@@ -82,10 +79,12 @@ def _activation(config: dict, path) -> str:
     named = named or config.get("sbert_ce_default_activation_function")
     if named is None:
         return "sigmoid"
-    if named not in _ACTIVATIONS:
+    module, _, name = str(named).rpartition(".")
+    if module not in ("torch.nn", "torch.nn.modules.activation", "torch.nn.modules.linear") \
+            or name not in _ACTIVATIONS:
         raise CrossEncoderError(f"{path}: a cross-encoder whose activation is {named!r} is "
-                                f"not served ({sorted(_ACTIVATIONS)} are)")
-    return _ACTIVATIONS[named]
+                                f"not served (torch.nn's {sorted(_ACTIVATIONS)} are)")
+    return _ACTIVATIONS[name]
 
 
 class _RobertaHead(nn.Module):
@@ -142,8 +141,11 @@ def _with_head(base, family: str, hidden: int, labels: int):
                                else _RobertaHead(hidden, labels))
 
         def sanitize(self, weights):
-            return super().sanitize({k[len(prefix):] if k.startswith(prefix) else k: v
-                                     for k, v in weights.items()})
+            weights = {k[len(prefix):] if k.startswith(prefix) else k: v
+                       for k, v in weights.items()}
+            if family == "xlm-roberta":  # (a pooler's weights, which its head never reads)
+                weights = {k: v for k, v in weights.items() if not k.startswith("pooler.")}
+            return super().sanitize(weights)
 
     return CrossEncoder
 
@@ -160,6 +162,9 @@ def load_cross_encoder(folder: Path, config: dict, family: str,
     if labels != 1:
         raise CrossEncoderError(f"{folder}: a classifier with {labels} labels is not a "
                                 "reranker (a cross-encoder reranker has one)")
+    if config.get("problem_type") not in (None, "regression", "single_label_classification"):
+        raise CrossEncoderError(f"{folder}: problem_type {config['problem_type']!r} is not "
+                                "served")
     activation = _activation(config, folder)
     pooling = "cls"
     if family == "modernbert":
@@ -169,12 +174,12 @@ def load_cross_encoder(folder: Path, config: dict, family: str,
         if config.get("classifier_activation", "gelu") != "gelu":
             raise CrossEncoderError(f"{folder}: classifier_activation "
                                     f"{config['classifier_activation']!r} is not served (GELU is)")
+        if config.get("classifier_bias"):  # (mlx-embeddings' head never has one)
+            raise CrossEncoderError(f"{folder}: a ModernBERT head with classifier_bias is "
+                                    "not served")
         if not config.get("id2label"):  # (mlx-embeddings counts its labels from it)
             given = {**given, "id2label": {"0": "LABEL_0"}}
     else:
-        if config.get("problem_type") not in (None, "regression", "single_label_classification"):
-            raise CrossEncoderError(f"{folder}: problem_type {config['problem_type']!r} is not "
-                                    "served")
         if family == "xlm-roberta":
             given = {**given, "add_pooling_layer": False}  # (its classifier reads h[<s>])
     hidden = int(config["hidden_size"])
@@ -186,7 +191,11 @@ def load_cross_encoder(folder: Path, config: dict, family: str,
     model = utils.load_model(folder, False, given, get_model_classes=classes,
                              path_to_repo=str(folder))
     tokenizer = utils.load_tokenizer(folder)
-    token_types = family == "bert" and int(config.get("type_vocab_size", 2)) > 1
+    # (Type ids where the tokenizer hands them to the model, as
+    # transformers and sentence-transformers run it; else all 0.)
+    inputs = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_input_names", ())
+    token_types = (family == "bert" and int(config.get("type_vocab_size", 2)) > 1
+                   and "token_type_ids" in inputs)
     return model, tokenizer, CrossEncoderHead(family, activation, pooling, token_types)
 
 

@@ -11,8 +11,8 @@ A folder says what it is; nothing here guesses from a model's name:
     model card), on a causal LM: a reranker that scores "yes" against "no"
     after its prompt (Qwen3-Reranker);
   * an encoder whose config.json names a sequence-classification
-    architecture with one label (BertForSequenceClassification...): a
-    cross-encoder reranker (cross_encoders.py);
+    architecture (BertForSequenceClassification...): a cross-encoder
+    reranker (cross_encoders.py; one label is served);
   * anything else generates (chat and text completions).
 A --models-config entry's `task` overrides what the folder says.
 
@@ -348,6 +348,20 @@ def load_embedder(path, task: str, mlx_lm_has) -> Tuple[Embedder, dict]:
     if family is not None and task != "rerank":
         raise EmbedderError(f"{path}: a cross-encoder ({config.get('architectures')}) serves "
                             "/v1/rerank, not embeddings")
+    if not decoder and config.get("auto_map"):
+        raise EmbedderError(f"{path}: its config asks for its own modelling code (auto_map), "
+                            "which mlx-embeddings' model doesn't run")
+    if not decoder and str(config.get("model_type")).replace("_", "-") in ("bert", "xlm-roberta") \
+            and config.get("hidden_act", "gelu") != "gelu":
+        # (mlx-embeddings' BERT and XLM-RoBERTa run the exact GELU whatever
+        # the config says.)
+        raise EmbedderError(f"{path}: hidden_act {config['hidden_act']!r} is not served "
+                            "(GELU is)")
+    if decoder and task == "rerank" and any(
+            str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        raise EmbedderError(f"{path}: a decoder with a classification head "
+                            f"({config.get('architectures')}) is not served; Qwen3-Reranker's "
+                            "causal LM, scoring yes against no, is")
     if decoder and task == "rerank" and config.get("model_type") != "qwen3":
         # (Its prompt and yes/no scoring are Qwen3-Reranker's; another
         # family's may differ, or post-process its logits: Gemma's soft cap.)

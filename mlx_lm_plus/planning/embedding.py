@@ -156,7 +156,12 @@ def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
     # Every input repeats the query: a long one times 2,048 documents is
     # gigabytes of tokens from a small body. Its tokens, counted once (less
     # a token or two that may merge across its end), bound the request's
-    # before any input is tokenized.
+    # before any input is tokenized; its characters too, whitespace
+    # included (BERT's tokenizer drops it: a megabyte of spaces is no
+    # tokens, but work for each pair it is in).
+    if len(request.query) > (embedder.context_length + 1) * embedder.longest_token:
+        raise PromptError(f"The query has {len(request.query)} characters: more than the "
+                          f"model's context of {embedder.context_length} tokens")
     at_least = max(0, len(embedder.tokenizer(shared, add_special_tokens=False)["input_ids"]) - 2)
     if at_least > embedder.context_length:
         raise PromptError(f"The query {'has' if cross else 'and instruction have'} about "
@@ -175,6 +180,22 @@ def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
     texts = [f"{shared}<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
     inputs = _tokenized(embedder, texts, False, "document")
     return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs))
+
+
+def _pairs(tokenizer, query: str, texts) -> dict:
+    """(query, text) pairs as the tokenizer joins them: input_ids and
+    token_type_ids. A fast tokenizer takes the query once (a pair's
+    encoding is its two parts' joined by the post-processor's template,
+    as `tokenizer(query, text)` does); another, every pair whole."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # (A tokenizer.json that pads or truncates: its own settings would
+    # apply here, where `tokenizer(...)` sets its call's.)
+    if backend is None or backend.padding is not None or backend.truncation is not None:
+        return tokenizer([query] * len(texts), texts, return_token_type_ids=True)
+    first = backend.encode(query, add_special_tokens=False)
+    joined = [backend.post_process(first, second, add_special_tokens=True)
+              for second in backend.encode_batch(texts, add_special_tokens=False)]
+    return {"input_ids": [e.ids for e in joined], "token_type_ids": [e.type_ids for e in joined]}
 
 
 def _second_part(types) -> int:
@@ -216,9 +237,7 @@ def _tokenized(embedder, texts, special_tokens: bool, what: str, query: Optional
             encoded = embedder.tokenizer(strings, add_special_tokens=special_tokens) \
                 if strings else {"input_ids": []}
         else:
-            encoded = embedder.tokenizer([query] * len(strings), strings,
-                                         add_special_tokens=special_tokens,
-                                         return_token_type_ids=segments is not None)
+            encoded = _pairs(embedder.tokenizer, query, strings)
         if segments is not None:
             segments += [_second_part(types) for types in encoded["token_type_ids"]]
         encoded = iter(encoded["input_ids"])

@@ -139,12 +139,56 @@ def test_cross_encoders_score_as_their_config_says(fixture_path, tmp_path):
     ("xlmr_rerank", {"problem_type": "multi_label_classification"}, "problem_type"),
     ("modernbert_rerank", {"classifier_pooling": "max"}, "classifier_pooling"),
     ("modernbert_rerank", {"classifier_activation": "silu"}, "classifier_activation"),
+    ("modernbert_rerank", {"classifier_bias": True}, "classifier_bias"),
+    ("modernbert_rerank", {"problem_type": "multi_label_classification"}, "problem_type"),
+    ("bert_rerank", {"hidden_act": "relu"}, "hidden_act"),
+    ("xlmr_rerank", {"hidden_act": "gelu_new"}, "hidden_act"),
+    ("bert_rerank", {"auto_map": {"AutoModel": "x.Y"}}, "auto_map"),
 ])
 def test_cross_encoders_it_would_run_wrongly_are_refused(fixture_path, tmp_path, kind,
                                                          changes, says):
     with pytest.raises(EmbedderError, match=says):
         load_embedder(_with_config(fixture_path, tmp_path, kind, **changes), "rerank",
                       _mlx_lm_has)
+
+
+def test_a_cross_encoder_is_known_by_its_config(fixture_path, tmp_path):
+    """Without a card (or with bge-reranker's text-classification one, as
+    xlmr_rerank's), its architecture says what it serves."""
+    folder = tmp_path / "no_card"
+    shutil.copytree(fixture_path("bert_rerank"), folder)
+    (folder / "README.md").unlink()
+    assert folder_task(folder) == "rerank"
+    assert "text-classification" in (fixture_path("xlmr_rerank") / "README.md").read_text()
+    assert folder_task(fixture_path("xlmr_rerank")) == "rerank"
+
+
+def test_cross_encoder_folders_as_transformers_reads_them(fixture_path, tmp_path):
+    """A pooler's weights in an XLM-RoBERTa checkpoint are ignored (its
+    head never reads them); activations by their short torch.nn path; BERT
+    pairs without type ids where the tokenizer gives the model none."""
+    hidden = mx.random.normal((2, 5, 64), key=mx.random.key(1))
+    lengths = mx.array([5, 3])
+    original = load_embedder(str(fixture_path("xlmr_rerank")), "rerank", _mlx_lm_has)[0]
+    pooled = tmp_path / "pooled"
+    shutil.copytree(fixture_path("xlmr_rerank"), pooled)
+    weights = mx.load(str(pooled / "model.safetensors"))
+    weights.update({"roberta.pooler.dense.weight": mx.ones((64, 64)),
+                    "roberta.pooler.dense.bias": mx.ones((64,))})
+    mx.save_safetensors(str(pooled / "model.safetensors"), weights)
+    again = load_embedder(str(pooled), "rerank", _mlx_lm_has)[0]
+    np.testing.assert_array_equal(np.array(again.scores(hidden, lengths)),
+                                  np.array(original.scores(hidden, lengths)))
+    short = _with_config(fixture_path, tmp_path, "bert_rerank",
+                         sbert_ce_default_activation_function="torch.nn.Sigmoid")
+    assert load_embedder(short, "rerank", _mlx_lm_has)[0].cross_encoder.activation == "sigmoid"
+    untyped = tmp_path / "untyped"
+    shutil.copytree(fixture_path("bert_rerank"), untyped)
+    tokenizer_config = json.loads((untyped / "tokenizer_config.json").read_text())
+    tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
+    (untyped / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert not load_embedder(str(untyped), "rerank", _mlx_lm_has)[0].token_types
+    assert load_embedder(str(fixture_path("bert_rerank")), "rerank", _mlx_lm_has)[0].token_types
 
 
 def test_a_cross_encoder_reranks_and_an_embedder_embeds(fixture_path):

@@ -100,3 +100,22 @@ def test_a_cross_encoder_s_inputs_are_its_tokenizer_s_pairs(embedders):
             with pytest.raises(PromptError, match="The query has about"):
                 plan_rerank(model, "k", RerankRequest("m", "cat " * 200, ("d",) * 2048))
             assert tokenizer.texts == 1
+
+
+def test_a_cross_encoder_s_query_is_bounded_and_tokenized_once(embedders):
+    """A query of whitespace (BERT's tokenizer drops it: no tokens, but work
+    for each pair it is in) is refused from its length; a query is
+    tokenized once, and the pairs are those the tokenizer makes whole."""
+    bert = embedders["bert_rerank"]
+    spaces = "cats" + " " * ((bert.context_length + 1) * bert.longest_token)
+    with pytest.raises(PromptError, match="The query has .* characters"):
+        plan_rerank(bert, "k", RerankRequest("m", spaces, ("d",) * 2048))
+    from mlx_lm_plus.planning import embedding
+
+    docs = ["cats   eat mice", "a", "the sky is blue"]
+    for kind in ("bert_rerank", "xlmr_rerank"):
+        tokenizer = embedders[kind].tokenizer
+        fast = embedding._pairs(tokenizer, "what  do cats eat", docs)
+        whole = tokenizer(["what  do cats eat"] * 3, docs, return_token_type_ids=True)
+        assert fast["input_ids"] == whole["input_ids"]
+        assert fast["token_type_ids"] == whole["token_type_ids"]
