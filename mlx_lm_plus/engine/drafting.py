@@ -3,8 +3,9 @@
 has a draft.
 
 The draft keeps a batched KV cache of its own for the batch's proposing rows
-(rows of a grammar, a thinking budget, a seeded sampled row or no
-`num_draft_tokens` have none): its draft rows, in the order they joined,
+(a seeded sampled row, XTC or no `num_draft_tokens` have none; a row with
+a grammar or a thinking budget has one, and proposes when they let it:
+speculation.checked_proposal): its draft rows, in the order they joined,
 each named by its batch row's uid. A draft row's KV holds a prefix of its
 row's tokens: `fed` of them. A drafting step feeds every draft row what the
 draft has not seen yet (the tokens kept since, what the row carries, its

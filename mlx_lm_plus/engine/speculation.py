@@ -357,13 +357,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # Rows with a grammar or a budget, now that this step's token is in
         # them: what they check of their proposals (the rest is rejected, as
         # any), and their grammar's masks at the positions after each.
-        masks = {}
+        masks, made = {}, list(map(len, proposals))
         for i, p in enumerate(proposals):
             if p and self.logits_processors and _stateful(self.logits_processors[i]):
                 n, keep = checked_proposal(self.logits_processors[i], p, logits.shape[-1])
                 proposals[i] = p[:n]
                 if keep is not None and n:
                     masks[i] = keep
+                if not n:  # (refused whole: counted as a failure, so the row backs off)
+                    self.lookups[self.uids[i]].verified(len(p), 0)
         first = pending_logits - mx.logsumexp(pending_logits, axis=-1, keepdims=True)
         plain = [i for i in range(rows) if not proposals[i]]
         samplers = [self.fallback_sampler if s is None else s
@@ -421,7 +423,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 kept, token = self._outcome(checks[i], p)
                 lp = row_logprobs[i][kept]
                 logprobs = [self._next_logprobs[i]] + [row_logprobs[i][j] for j in range(kept)]
-                self.lookups[self.uids[i]].verified(len(p), kept)
+                self.lookups[self.uids[i]].verified(made[i], kept)
                 if kept and self.logits_processors and self.logits_processors[i]:
                     # (The pending token is in already, from process_rows.)
                     self._token_context[i].update_and_fetch(mx.array(p[:kept], mx.int32))

@@ -202,7 +202,11 @@ class ConstraintProcessor:
         matcher = self.matcher
         if self.state != _ACTIVE or matcher.is_stopped():
             return 0, None
-        valid = matcher.validate_tokens(list(proposal))
+        # (An id past the tokenizer's, which a draft of a wider vocabulary
+        # may propose, puts llguidance's matcher in error even to validate.)
+        proposal = list(proposal)
+        beyond = next((j for j, t in enumerate(proposal) if not 0 <= t < self.ll.vocab_size), None)
+        valid = matcher.validate_tokens(proposal[:beyond])
         bitmask = np.zeros((valid, self._words), dtype=np.int32)
         consumed = checked = 0
         for token in proposal[:valid]:

@@ -20,8 +20,10 @@ count in max_tokens like any other.
 In a batch the budgeted rows are handled in one call per step, beside the
 grammars' (patches/batched_logits_processors: the step reads every row's
 previous token once), and a row whose block is closed drops out of it.
-Not with a draft model: speculation calls processors on draft tokens it
-may reject, which a count can't follow (the budget is then not applied).
+Not on the sequential path with a draft model (upstream's speculative
+generation calls processors on draft tokens it may reject, which a count
+can't follow: the budget is then not applied). In the batch, a row with a
+budget proposes only once the budget is done (engine/speculation.py).
 """
 
 from typing import List, Optional, Sequence

@@ -18,7 +18,9 @@ import pytest
 
 from mlx_lm_plus.engine import drafting, speculation
 from testkit.engine_harness import SEQUENTIAL, EngineRunner
-from tests.engine.test_speculation import MIXED, assert_same_distribution, chat, forced, run
+from tests.engine.test_speculation import (
+    GRAMMARS, MIXED, assert_same_distribution, chat, forced, run, run_with_figures,
+)
 
 
 def draft_argv(path, tokens=4):
@@ -81,7 +83,7 @@ def test_greedy_text_and_logprobs_are_those_without_a_draft(
 def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     """Rows arriving while others decode (their prompts run through the
     draft as they join, one step behind the others' feeds) beside a row
-    that never proposes (a schema: it has no draft row) and rows leaving at
+    that never proposes (a schema, num_draft_tokens 0: no draft row) and rows leaving at
     different times: with the model as its own draft,
     proposals are its argmax wherever the draft's KV holds exactly each
     row's tokens, so nearly all are kept; a position lost, repeated or left
@@ -91,7 +93,8 @@ def test_a_draft_that_is_the_model_is_kept_nearly_always(runners, monkeypatch):
     off, itself, _ = runners
     checked_always(monkeypatch)
     first = [chat(f"Tell me story number {i} about the sea and the hills.",
-                  max_tokens=120 + 7 * i) for i in range(3)] + [{**MIXED[5], "max_tokens": 80}]
+                  max_tokens=120 + 7 * i) for i in range(3)] + [
+        {**MIXED[5], "max_tokens": 80, "num_draft_tokens": 0}]
     later = [chat(f"And story number {i} about the rain.", max_tokens=25 + 9 * i)
              for i in range(3)]
     reference = run(off, first + later)
@@ -537,3 +540,20 @@ def test_a_drafting_call_stays_within_its_positions(fixture_path, monkeypatch):
     assert widths[:2] == [(24, drafting.MAX_POSITIONS // 24)] * 2
     assert not any(made[0] + made[1]) and all(made[2])
     assert draft.fed == [len(rows[0]) + 1] * 24
+
+
+@pytest.mark.parametrize("drop", [None, "carry", "roll"])
+def test_rows_with_a_grammar_check_a_draft_s_proposals_exactly(runners, monkeypatch, drop):
+    """Structured output, tools and a thinking budget beside a plain row,
+    with the model as its own draft: the draft proposes its greedy tokens
+    (unconstrained: the grammar cuts them where it refuses one), the
+    check masks each position as the grammar would, and the text and
+    logprobs are those without a draft; a grammar row keeps some."""
+    off, itself, _ = runners
+    checked_always(monkeypatch, drop)
+    reference = run(off, GRAMMARS)
+    got = run_with_figures(itself, GRAMMARS)
+    for (want, want_lp, _), (tokens, lp, figures), body in zip(reference, got, GRAMMARS):
+        assert tokens == want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+    assert any(f and f["accepted"] for _, _, f in got[:3]), [f for _, _, f in got]

@@ -681,3 +681,29 @@ def test_sampled_rows_with_a_grammar_keep_their_distribution(fixture_path, monke
             runner.close()
     assert set(counts["off"]) <= {'"oak"', '"elm"', '"ash"', '"yew"', '"fir"'}, counts
     assert_same_distribution(counts)
+
+
+def test_a_row_whose_grammar_refuses_its_proposals_backs_off(pair, monkeypatch):
+    """Proposals the grammar refuses from their first token (an id past the
+    tokenizer's, as a wider draft could propose) count as failures: the row
+    waits longer and longer before proposing again, as any row whose
+    proposals fail, rather than making every step a check."""
+    off, on = pair
+    forced(monkeypatch)
+    body = GRAMMARS[0]
+    (want, _, _), = run(off, [body])
+    beyond = on.loaded.tokenizer.vocab_size + 5
+    monkeypatch.setattr(speculation.RowLookup, "propose",
+                        lambda lookup, tokens, tail, room: [0] + [beyond] * min(3, room))
+    checks = []
+    real = speculation.SpeculativeGenerationBatch._verify
+
+    def verify(self, proposals):
+        checks.append(1)
+        return real(self, proposals)
+
+    monkeypatch.setattr(speculation.SpeculativeGenerationBatch, "_verify", verify)
+    (tokens, _, figures), = run_with_figures(on, [body])
+    assert tokens == want
+    assert figures and figures["accepted"] == 0 and figures["verify_steps"] == len(checks)
+    assert 2 <= len(checks) <= 8, (len(checks), len(want))

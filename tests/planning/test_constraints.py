@@ -472,3 +472,76 @@ def test_eos_only_rows_are_finite_whatever_the_logits(qwen3):
     finite = mx.isfinite(out[0]).tolist()
     assert {i for i, f in enumerate(finite) if f} == set(tok.eos_token_ids)
     assert not mx.isnan(out - mx.logsumexp(out, axis=-1, keepdims=True)).any().item()
+
+
+def _masks_along(grammar, tok, prompt, tokens, vocab):
+    """The plain path: a processor fed `tokens` one a step (mask_batch),
+    and the allowed ids ([vocab] bool, None: all) after each prefix."""
+    proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
+    history, masks = list(prompt), []
+    for t in [None] + tokens:  # (None: the first step, its newest the prompt's last)
+        newest = history[-1] if t is None else t
+        if t is not None:
+            history.append(t)
+        mask = ConstraintProcessor.mask_batch([(0, proc, history[:-1], newest)], (1, vocab))
+        masks.append(None if mask is None else mask.keep[0].copy())
+    return masks
+
+
+@pytest.mark.parametrize("kind", ["strict", "schema", "forced"])
+def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen3, kind):
+    """At every point of a text (free text, a strict tool call opened and
+    closed, free text again; a schema's JSON; a forced call), proposal_masks
+    of the next k tokens gives, for the first n, the masks a processor fed
+    them one a step gives; n stops at a refused token, before the grammar
+    completes, before a strict call opens or closes; the grammar is left as
+    it was (the next step's mask is unchanged); ids past the tokenizer's
+    cut the proposal without harming the row."""
+    _, tok = qwen3
+    vocab = 520  # (wider than the tokenizer: a draft's ids may run past it)
+    strict = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call>')
+    if kind == "strict":
+        grammar, text = grammar_for(StrictToolCalls(strict), tok), "Let me look. " + call + "\nDone."
+        prompt = prompt_of(tok, "x", tools=strict)
+    elif kind == "schema":
+        grammar = compile_response_format(schema_format(dict(SCHEMAS)["nested_address"]))
+        text = json.dumps(SAMPLES["nested_address"])
+        prompt = prompt_of(tok, "x")
+    else:
+        grammar = tool_call_grammar(TOOLS, "get_weather", tokenizer=tok)
+        text, prompt = call, prompt_of(tok, "x", tools=TOOLS)
+    tokens = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids and
+                                                          sorted(tok.eos_token_ids)[0]]
+    want = _masks_along(grammar, tok, prompt, tokens, vocab)
+    proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
+    history, cuts = list(prompt), set()
+    for at, t in enumerate([None] + tokens[:-1]):
+        newest = history[-1] if t is None else t
+        if t is not None:
+            history.append(t)
+        ConstraintProcessor.mask_batch([(0, proc, history[:-1], newest)], (1, vocab))
+        ahead = tokens[at:at + 6]
+        beyond = ahead[:2] + [tok.vocab_size + 3] + ahead[2:]
+        for proposal in (ahead, beyond, ahead[:1] + [(ahead[1] + 7) % 400] + ahead[2:]
+                         if len(ahead) > 1 else ahead):
+            n, keep = proc.proposal_masks(proposal, vocab)
+            assert n <= len(proposal) and proc.error is None, (kind, at)
+            # (Compared while the proposal is the text: the plain path's masks
+            # are the text's.)
+            for j in range(n):
+                if proposal[:j + 1] != ahead[:j + 1]:
+                    break
+                got = None if keep is None else keep[j]
+                expected = want[at + j + 1]
+                if expected is None:
+                    assert got is None or got.all(), (kind, at, j)
+                else:
+                    assert got is not None and (got == expected).all(), (kind, at, j)
+            if proposal is beyond and at + 2 < len(want) and want[at + 2] is not None:  # (cut)
+                assert n <= 2, (kind, at, n)
+            cuts.add(n < len(proposal))
+    assert cuts == {True, False}
+    # Left as it was: fed the rest one a step, the same masks as the plain path.
+    assert proc.error is None and not proc.matcher.is_error()
