@@ -79,7 +79,7 @@ from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, setti
 from hypothesis import strategies as st
 
 from compat.launch import OURS, ServerProcess
-from testkit.bad_input import EMBED_MODEL, EMBEDDINGS, RERANK_MODEL, RERANK_PATHS
+from testkit.bad_input import CROSS_MODEL, EMBED_MODEL, EMBEDDINGS, RERANK_MODEL, RERANK_PATHS
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
@@ -813,8 +813,9 @@ def embedding_anything() -> Dict[str, st.SearchStrategy]:
     ids = st.lists(st.one_of(st.integers(), st.booleans(), numbers, st.sampled_from(
         [EMBED_VOCAB - 1, EMBED_VOCAB, -1, 2**63, 10**30])), min_size=0, max_size=5)
     near = {
-        "model": st.one_of(st.sampled_from([EMBED_MODEL, RERANK_MODEL, "chat", "default_model",
-                                            "", None, [EMBED_MODEL]]), long_text()),
+        "model": st.one_of(st.sampled_from([EMBED_MODEL, RERANK_MODEL, CROSS_MODEL, "chat",
+                                            "default_model", "", None, [EMBED_MODEL]]),
+                           long_text()),
         "input": st.one_of(ids, st.lists(st.one_of(ids, embed_texts, json_values), max_size=4)),
         "dimensions": st.one_of(numbers, st.integers(EMBED_WIDTH - 1, EMBED_WIDTH + 2)),
         "encoding_format": st.sampled_from(["float", "base64", "int8", "FLOAT", "", None]),
@@ -836,11 +837,12 @@ def embedding_body(task: str) -> st.SearchStrategy:
     valid, anything = embedding_values(), embedding_anything()
     fields = EMBEDDING_FIELDS if task == "embed" else RERANK_FIELDS
     needed = ("input",) if task == "embed" else ("query", "documents")
-    model = EMBED_MODEL if task == "embed" else RERANK_MODEL
+    # (Rerank bodies go to the decoder reranker or the cross-encoder.)
+    models = [EMBED_MODEL] if task == "embed" else [RERANK_MODEL, CROSS_MODEL]
 
     @st.composite
     def valid_body(draw):
-        body = {"model": model, **{f: draw(valid[f]) for f in needed}}
+        body = {"model": draw(st.sampled_from(models)), **{f: draw(valid[f]) for f in needed}}
         optional = [f for f in fields if f not in needed and f != "model"]
         for f in draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)):
             body[f] = draw(valid[f])
@@ -1100,7 +1102,8 @@ def judge(case: Case, out: Outcome) -> Optional[Problem]:
 def judge_embedding(route: str, case: Case, obj: dict) -> Optional[Problem]:
     """A 200 from /v1/embeddings: a vector per input, in order, each of
     `dimensions` values where asked (floats, or base64 of float32). From a
-    rerank path: top_n results at most, best first, scores in [0, 1],
+    rerank path: top_n results at most, best first, scores in [0, 1] (finite
+    for the cross-encoder, whose scores are logits),
     distinct indices of the documents, each document's text unless
     return_documents is false. (KeyError and the like: malformed.)"""
     body = case.body if isinstance(case.body, dict) else None
@@ -1125,8 +1128,13 @@ def judge_embedding(route: str, case: Case, obj: dict) -> Optional[Problem]:
         return None
     results = obj["results"]
     scores = [r["relevance_score"] for r in results]
-    if any(not 0 <= s <= 1 for s in scores) or scores != sorted(scores, reverse=True):
-        return Problem("rerank scores", f"not in [0, 1], best first: {scores[:10]}")
+    # (Probabilities, but for a cross-encoder whose folder names raw logits:
+    # testkit/bad_input.py's CROSS_MODEL, an ms-marco-like BERT.)
+    raw = isinstance(body, dict) and body.get("model") == CROSS_MODEL
+    if any(not (math.isfinite(s) if raw else 0 <= s <= 1) for s in scores) \
+            or scores != sorted(scores, reverse=True):
+        return Problem("rerank scores", f"not {'finite' if raw else 'in [0, 1]'}, best first: "
+                       f"{scores[:10]}")
     if body is None:
         return None
     documents = body["documents"]
@@ -1319,6 +1327,8 @@ CANARIES = [
 EMBEDDING_CANARIES = [
     (EMBEDDINGS, {"model": EMBED_MODEL, "input": ["Tell me about boats.", "the river"]}),
     ("/v1/rerank", {"model": RERANK_MODEL, "query": "boats",
+                    "documents": ["a boat on the sea", "the river", "a green light"]}),
+    ("/v1/rerank", {"model": CROSS_MODEL, "query": "boats",
                     "documents": ["a boat on the sea", "the river", "a green light"]}),
 ]
 

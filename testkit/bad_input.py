@@ -14,8 +14,9 @@ default model answers, a chat model. The embedding cases name the models of
 EMBEDDING_SERVED, the server they assume (`models_config_file` writes its
 --models-config): "chat" first (the default), "embed" (bert_embed: an
 encoder embedder, 64 dimensions, a 195-token vocabulary, a context of 128
-tokens) and "rerank" (qwen3_rerank: its prompt template alone is about 170
-of its tokens).
+tokens), "rerank" (qwen3_rerank: its prompt template alone is about 170
+of its tokens) and "cross" (bert_rerank: a BERT cross-encoder, a context
+of 128 tokens).
 """
 
 import base64
@@ -257,8 +258,9 @@ RERANK = "/v1/rerank"
 RERANK_PATHS = (RERANK, "/rerank", "/v2/rerank")
 # The server the embedding cases assume: served name -> fixture kind
 # (testkit/fixtures.py, testkit/embedding_fixtures.py), the default first.
-EMBEDDING_SERVED = {"chat": "qwen3", "embed": "bert_embed", "rerank": "qwen3_rerank"}
-EMBED_MODEL, RERANK_MODEL = "embed", "rerank"
+EMBEDDING_SERVED = {"chat": "qwen3", "embed": "bert_embed", "rerank": "qwen3_rerank",
+                    "cross": "bert_rerank"}
+EMBED_MODEL, RERANK_MODEL, CROSS_MODEL = "embed", "rerank", "cross"
 # The parser's bound on nesting (mlx_lm_plus/http/bodies.py MAX_JSON_DEPTH),
 # and json's own limit (its recursion, about 1,000 levels).
 MAX_JSON_DEPTH = 128
@@ -396,6 +398,14 @@ RERANK_CASES = [
     (RERANK, rerank(documents=["ok", "word " * 40_000])),
     # past the tokens of a request (300,000): 2,048 prompts of ~470 tokens
     (RERANK, rerank(documents=["word " * 100] * 2048)),
+    # the cross-encoder: no instruction; a pair past its 128 tokens; a
+    # query of whitespace (no tokens for BERT, but work in every pair) or
+    # past the context
+    *[(path, rerank(model=CROSS_MODEL, **fields)) for path in RERANK_PATHS for fields in [
+        {"instruction": "Find boats"}, {"documents": ["ok", "word " * 200]},
+        {"query": "boats" + " " * 200_000, "documents": ["d"] * 2048},
+        {"query": "word " * 200}, {"query": "\t\n " * 50_000},
+    ]],
     # the other fields
     *[(path, rerank(**{field: value})) for path in RERANK_PATHS for field, value in [
         ("top_n", 0), ("top_n", -1), ("top_n", 1.5), ("top_n", 2.0), ("top_n", "2"),
