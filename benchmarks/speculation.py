@@ -13,6 +13,10 @@ two workloads, greedy, at 1 and at --concurrency streams:
   repeats itself: there is something to copy after all).
 - sampled: the same at temperature 1, top_p 0.95: next to nothing repeats
   (text not compared: it is sampled).
+- json_edit: structured output (response_format json_schema) that repeats
+  its context: a JSON list of --lines / 6 records in the prompt, "return it
+  with one record's price changed", the answer held to the records' schema
+  (each position of a check masked as the grammar masks it).
 
 Figures, medians over rounds: decode tokens/s of all streams together
 (tokens after each stream's first over the time they took, from the last
@@ -23,6 +27,7 @@ whether each request's text was the same with and without proposals.
 """
 
 import asyncio
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -54,10 +59,35 @@ def source_file(lines: int, seed: int) -> str:
     return "\n".join(out[:lines])
 
 
+# json_edit's records and their schema (the answer's response_format).
+RECORD_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                     "price": {"type": "number"}, "tags": {
+                                         "type": "array", "items": {"type": "string"}}},
+    "required": ["id", "name", "price", "tags"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+
+
+def records(count: int, seed: int) -> str:
+    """A JSON object of `count` records, as RECORD_SCHEMA has them."""
+    rng = random.Random(seed)
+    items = [{"id": n, "name": f"{rng.choice(NAMES)} {rng.choice(NAMES)}",
+              "price": round(rng.uniform(1, 99), 2),
+              "tags": rng.sample(NAMES, 2)} for n in range(count)]
+    return json.dumps({"items": items})
+
+
 def bodies(workload: str, streams: int, lines: int, max_tokens: int) -> List[dict]:
     out = []
     for i in range(streams):
-        if workload == "code_edit":
+        extra: Dict[str, Any] = {}
+        if workload == "json_edit":
+            prompt = (f"Here is a JSON document:\n{records(max(2, lines // 6), seed=i)}\n"
+                      f"Return the same JSON document, with the price of the record whose "
+                      f"id is {i} changed to 1.5. Only the JSON.")
+            extra = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "records", "schema": RECORD_SCHEMA}}}
+        elif workload == "code_edit":
             text = source_file(lines, seed=i)
             old = NAMES[i % len(NAMES)]
             prompt = (f"Here is a Python file:\n```python\n{text}\n```\n"
@@ -69,7 +99,7 @@ def bodies(workload: str, streams: int, lines: int, max_tokens: int) -> List[dic
                     else {"temperature": 0.0})
         out.append({"messages": [{"role": "user", "content": prompt}],
                     "max_tokens": max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}, **sampling})
+                    "stream_options": {"include_usage": True}, **sampling, **extra})
     return out
 
 

@@ -235,3 +235,19 @@ def test_cpu_profile_accounts_for_the_pass(fixture_path, capsys):
     out = capsys.readouterr().out
     assert "| attention (scores, softmax, values) |" in out
     assert "ops in a decode step's graph: " in out
+
+
+def test_speculation_benchmark(fixture_path, capsys):
+    """benchmarks.speculation, short: json_edit (structured output that
+    repeats its prompt) and code_edit at 1 and 2 streams on the qwen3
+    fixture; greedy, so the texts with and without prompt lookup agree."""
+    from benchmarks import speculation
+
+    figures = speculation.main(["--model", str(fixture_path("qwen3")), "--rounds", "1",
+                                "--lines", "18", "--max-tokens", "24", "--concurrency", "2",
+                                "--workloads", "json_edit,code_edit"])
+    for case in ("json_edit@1", "json_edit@2", "code_edit@1", "code_edit@2"):
+        assert figures[f"{case} same text"] is True, case
+        assert figures[f"{case} plain tok/s"] and figures[f"{case} lookup tok/s"], case
+        assert figures[f"{case} tokens/step"] >= 1.0
+    assert "json_edit@2" in capsys.readouterr().out
