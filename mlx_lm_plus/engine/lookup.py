@@ -15,6 +15,13 @@ from mlx_lm_plus.engine.sampling import RowSampling
 NGRAM_MAX = 4  # the longest suffix a match is scored on (two at least)
 CANDIDATES = 64  # earlier places of the last two tokens compared, latest first
 MAX_BACKOFF = 16  # steps a row waits, at most, after proposals that failed
+# A row's acceptance rate before it has been checked (kept / checked), and
+# how far it moves back toward that each time its proposals were not worth
+# checking: a rate learnt from a few failures (an answer that opens with a
+# line of its own before copying its context) would otherwise keep it from
+# ever being checked again, whatever it proposes later.
+PRIOR_KEPT, PRIOR_CHECKED = 1.0, 2.0
+RECOVERY = 0.2
 
 
 @dataclass
@@ -32,8 +39,8 @@ class RowLookup:
     steps: int = 0  # verifying steps it proposed in
     # Recent proposals kept and checked (a proposal is checked when all
     # before it were kept), older steps weighing less: its acceptance rate.
-    _kept: float = 1.0
-    _checked: float = 2.0
+    _kept: float = PRIOR_KEPT
+    _checked: float = PRIOR_CHECKED
     # The row's tokens, and each pair of neighbours as one number (so that
     # one comparison over the row finds every earlier place of its last two
     # tokens: a 100,000-token row in well under a millisecond).
@@ -95,6 +102,13 @@ class RowLookup:
                 best, best_run = j, run
         start = best + 2  # (at most total - 1)
         return h[start:min(total, start + k)].tolist()
+
+    def unpaid(self, wait: int):
+        """Its proposals were not worth checking this step: it waits
+        `wait` steps, and its rate moves back toward the prior's."""
+        self.wait = max(self.wait, wait)
+        self._kept += RECOVERY * (PRIOR_KEPT - self._kept)
+        self._checked += RECOVERY * (PRIOR_CHECKED - self._checked)
 
     def ready(self) -> bool:
         """Whether it looks this step (else one step less to wait)."""

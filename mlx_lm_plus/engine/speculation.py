@@ -274,7 +274,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             if width == 0:  # (not worth it now: look again in a few steps)
                 for lookup, p in zip(lookups, proposals):
                     if p:
-                        lookup.wait = max(lookup.wait, UNPAID_WAIT)
+                        lookup.unpaid(UNPAID_WAIT)
             proposals = [p[:width] for p in proposals]
         # (Timed from here: the wait for the step before, still running, is
         # that step's time, not this one's.)

@@ -707,3 +707,27 @@ def test_a_row_whose_grammar_refuses_its_proposals_backs_off(pair, monkeypatch):
     assert tokens == want
     assert figures and figures["accepted"] == 0 and figures["verify_steps"] == len(checks)
     assert 2 <= len(checks) <= 8, (len(checks), len(want))
+
+
+def test_a_row_whose_first_checks_failed_is_checked_again():
+    """A rate learnt from early failures (an answer that opens with a line
+    of its own, then copies its context) moves back toward the prior's each
+    time the row's proposals are not worth checking, so it is checked again
+    within a few waits, not never (EXPLORE_EVERY, 256 steps, was the only
+    way back); a row that keeps failing is checked now and then only."""
+    one = speculation.StepCost()  # (one stream on a CPU, a long context)
+    for positions in (1, 1, 2, 5, 9):
+        one.observe(positions, 0.054 + 0.013 * (positions - 1))
+    row = speculation.RowLookup(speculation.RowSampling(0.0), max_tokens=8)
+    proposal, fed = [[1] * 8], [1]
+    assert speculation.widest_paying([row], proposal, fed, one) > 0  # (the prior's rate)
+    row.verified(8, 0)
+    row.verified(8, 0)
+    assert speculation.widest_paying([row], proposal, fed, one) == 0
+    looks = 0
+    while speculation.widest_paying([row], proposal, fed, one) == 0:
+        row.unpaid(speculation.UNPAID_WAIT)
+        looks += 1
+        assert looks < 10, row.rates(1)
+    assert looks >= 1
+    assert row.wait == speculation.UNPAID_WAIT  # (each unpaid look waits)
