@@ -14,12 +14,13 @@ from mlx_lm_plus.engine.sampling import RowSampling
 
 NGRAM_MAX = 4  # the longest suffix a match is scored on (two at least)
 CANDIDATES = 64  # earlier places of the last two tokens compared, latest first
-MAX_BACKOFF = 16  # steps a row waits, at most, after proposals that failed
+MAX_BACKOFF = 16  # steps a row waits, at most, after failures or misses
 # A row's acceptance rate before it has been checked (kept / checked), and
-# how far it moves back toward that each time its proposals were not worth
-# checking: a rate learnt from a few failures (an answer that opens with a
-# line of its own before copying its context) would otherwise keep it from
-# ever being checked again, whatever it proposes later.
+# how far a lower one moves back toward it each time the row's proposals
+# were not worth checking: a rate learnt from a few failures (an answer
+# that opens with a line of its own before copying its context) would
+# otherwise keep it from being checked again until EXPLORE_EVERY steps
+# without any check (speculation.py), whatever it proposes meanwhile.
 PRIOR_KEPT, PRIOR_CHECKED = 1.0, 2.0
 RECOVERY = 0.2
 
@@ -31,7 +32,7 @@ class RowLookup:
     sampling: RowSampling
     max_tokens: int  # the flag's cap on proposals per step
     length: int = 0  # its current proposal length
-    wait: int = 0  # steps to skip proposing (after failures, or no match)
+    wait: int = 0  # steps to skip proposing (after failures, no match, or not paying)
     failures: int = 0  # steps in a row where nothing was accepted
     misses: int = 0  # lookups in a row that found nothing
     proposed: int = 0
@@ -39,6 +40,7 @@ class RowLookup:
     steps: int = 0  # verifying steps it proposed in
     # Recent proposals kept and checked (a proposal is checked when all
     # before it were kept), older steps weighing less: its acceptance rate.
+    # From the prior's; a lower one drifts back toward it (unpaid).
     _kept: float = PRIOR_KEPT
     _checked: float = PRIOR_CHECKED
     # The row's tokens, and each pair of neighbours as one number (so that
@@ -104,11 +106,14 @@ class RowLookup:
         return h[start:min(total, start + k)].tolist()
 
     def unpaid(self, wait: int):
-        """Its proposals were not worth checking this step: it waits
-        `wait` steps, and its rate moves back toward the prior's."""
+        """Its proposals were not worth checking this step: it waits at
+        least `wait` steps, and a rate under the prior's moves back toward
+        it (a higher one is kept: the step may not have paid for other
+        rows' sake)."""
         self.wait = max(self.wait, wait)
-        self._kept += RECOVERY * (PRIOR_KEPT - self._kept)
-        self._checked += RECOVERY * (PRIOR_CHECKED - self._checked)
+        if self._kept * PRIOR_CHECKED < PRIOR_KEPT * self._checked:
+            self._kept += RECOVERY * (PRIOR_KEPT - self._kept)
+            self._checked += RECOVERY * (PRIOR_CHECKED - self._checked)
 
     def ready(self) -> bool:
         """Whether it looks this step (else one step less to wait)."""

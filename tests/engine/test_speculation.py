@@ -713,8 +713,8 @@ def test_a_row_whose_first_checks_failed_is_checked_again():
     """A rate learnt from early failures (an answer that opens with a line
     of its own, then copies its context) moves back toward the prior's each
     time the row's proposals are not worth checking, so it is checked again
-    within a few waits, not never (EXPLORE_EVERY, 256 steps, was the only
-    way back); a row that keeps failing is checked now and then only."""
+    after a look or two (EXPLORE_EVERY, 256 steps without any check, was
+    the way back); a rate above the prior's stays."""
     one = speculation.StepCost()  # (one stream on a CPU, a long context)
     for positions in (1, 1, 2, 5, 9):
         one.observe(positions, 0.054 + 0.013 * (positions - 1))
@@ -730,4 +730,34 @@ def test_a_row_whose_first_checks_failed_is_checked_again():
         looks += 1
         assert looks < 10, row.rates(1)
     assert looks >= 1
-    assert row.wait == speculation.UNPAID_WAIT  # (each unpaid look waits)
+    good = speculation.RowLookup(speculation.RowSampling(0.0), max_tokens=8)
+    good.verified(8, 8)
+    rate = good.rates(1)[0]
+    good.unpaid(speculation.UNPAID_WAIT)
+    assert good.rates(1)[0] == rate > 0.5 and good.wait == speculation.UNPAID_WAIT
+
+
+def test_a_row_that_failed_early_keeps_its_later_proposals(pair, monkeypatch):
+    """Through the batch, with a CPU's step costs (each position 13 ms on
+    54): a row whose first two checks fail (proposals all wrong) is checked
+    again once its proposals are right, and keeps them."""
+    off, on = pair
+    monkeypatch.setattr(speculation.StepCost, "predict",
+                        lambda self, positions: 0.054 + 0.013 * (positions - 1))
+    monkeypatch.setattr(speculation.StepCost, "spread", property(lambda self: True))
+    body = chat("Tell me about rivers and boats.", max_tokens=70)
+    reference = run(off, [body])
+    oracle = Oracle(reference, corrupt=0.0)
+    calls = []
+
+    def propose(lookup, tokens, tail, room):
+        following = oracle.propose(lookup, tokens, tail, room)
+        calls.append(len(following) > 1)
+        if sum(calls) <= 2 and len(following) > 1:  # (the first two: every proposal wrong)
+            following = following[:1] + [(t + 1) % 500 for t in following[1:]]
+        return following
+
+    monkeypatch.setattr(speculation.RowLookup, "propose", propose)
+    (tokens, _, figures), = run_with_figures(on, [body])
+    assert tokens == reference[0][0]
+    assert figures["accepted"] > 10 and figures["verify_steps"] > 2, figures
