@@ -48,8 +48,9 @@ def chat(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
 
-def run(runner, bodies, path="/v1/chat/completions"):
-    """Each request's (tokens, logprobs of those tokens, prompt tokens)."""
+def replies(runner, bodies, path="/v1/chat/completions"):
+    """Each request's (tokens, logprobs of those tokens, its context: the
+    prompt, its speculation figures)."""
     channels = [runner.submit(b, path=path) for b in bodies]
     out = []
     for channel in channels:
@@ -62,8 +63,13 @@ def run(runner, bodies, path="/v1/chat/completions"):
                 logprobs.append(item.logprob)
             elif not isinstance(item, tuple):
                 ctx = item
-        out.append((tokens, logprobs, list(ctx.prompt)))
+        out.append((tokens, logprobs, ctx))
     return out
+
+
+def run(runner, bodies, path="/v1/chat/completions"):
+    """Each request's (tokens, logprobs of those tokens, prompt tokens)."""
+    return [(t, lp, list(ctx.prompt)) for t, lp, ctx in replies(runner, bodies, path)]
 
 
 class Oracle:
@@ -580,20 +586,8 @@ GRAMMARS = [
 
 def run_with_figures(runner, bodies, path="/v1/chat/completions"):
     """Each request's (tokens, logprobs, its speculation figures)."""
-    channels = [runner.submit(b, path=path) for b in bodies]
-    out = []
-    for channel in channels:
-        tokens, logprobs, ctx = [], [], None
-        while (item := channel.items.get(timeout=120)) is not None:
-            if isinstance(item, Exception):
-                raise item
-            if isinstance(item, Response):
-                tokens.append(item.token)
-                logprobs.append(item.logprob)
-            elif not isinstance(item, tuple):
-                ctx = item
-        out.append((tokens, logprobs, getattr(ctx, "speculation", None)))
-    return out
+    return [(t, lp, getattr(ctx, "speculation", None))
+            for t, lp, ctx in replies(runner, bodies, path)]
 
 
 @pytest.mark.parametrize("drop", [None, "carry", "roll"])

@@ -60,6 +60,15 @@ def post(server, path, body, raw=None):
         return e.code, json.loads(e.read() or b"null")
 
 
+def at_once(send, n):
+    """send(0) .. send(n - 1), each on a thread of its own, all started before any ends."""
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def stats(server):
     with urllib.request.urlopen(server.url + "/v1/stats", timeout=30) as r:
         return json.loads(r.read())["engine"]["embeddings"]
@@ -364,11 +373,7 @@ def test_cross_encoder_scores_equal_each_pair_alone_through_the_model(server, re
         answers[i] = post(server, "/v1/rerank", {"model": name, "query": query,
                                                  "documents": [docs[i]]})
 
-    threads = [threading.Thread(target=alone, args=(i,)) for i in range(len(docs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    at_once(alone, len(docs))
     for i, (status, answer) in enumerate(answers):
         assert status == 200, answer
         assert answer["results"][0]["relevance_score"] == pytest.approx(expected[i], abs=1e-5)
@@ -466,11 +471,7 @@ def test_requests_for_models_that_evict_one_another_are_all_answered(paths, refe
         def send(k):
             answers[k] = post(s, "/v1/embeddings", {"model": names[k], "input": TEXTS[k % 6]})
 
-        threads = [threading.Thread(target=send, args=(k,)) for k in range(len(names))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        at_once(send, len(names))
     for k, (status, answer) in enumerate(answers):
         assert status == 200, answer
         np.testing.assert_allclose(vectors(answer)[0], reference.embed(names[k], TEXTS[k % 6]),
