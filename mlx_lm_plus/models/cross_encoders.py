@@ -179,10 +179,11 @@ def load_cross_encoder(folder: Path, config: dict, family: str,
                                     "not served")
         if not config.get("id2label"):  # (mlx-embeddings counts its labels from it)
             given = {**given, "id2label": {"0": "LABEL_0"}}
-    else:
-        if family == "xlm-roberta":
-            given = {**given, "add_pooling_layer": False}  # (its classifier reads h[<s>])
+    elif family == "xlm-roberta":
+        given = {**given, "add_pooling_layer": False}  # (its classifier reads h[<s>])
     hidden = int(config["hidden_size"])
+    # (mlx-embeddings' own choice of classes for the config, as its load()
+    # makes it; load_model then takes ours, which add the head.)
     base, args, _, _ = utils._get_classes({**config, **given})
 
     def classes(config):
