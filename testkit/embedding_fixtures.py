@@ -285,12 +285,9 @@ def _bert_tokenizer(out: Path) -> dict:
             "pad_token_id": ids["[PAD]"], "vocab_size": tok.get_vocab_size()}
 
 
-def _bert_model(out: Path, vocab: int) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_embeddings.models import bert
-
-    config = {
+def _bert_config(vocab: int) -> dict:
+    """The BERT fixtures' config.json (an encoder's: BertModel)."""
+    return {
         "model_type": "bert", "architectures": ["BertModel"], "hidden_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
         "hidden_act": "gelu", "max_position_embeddings": BERT_MAX_LENGTH, "type_vocab_size": 2,
@@ -298,6 +295,14 @@ def _bert_model(out: Path, vocab: int) -> None:
         "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
         "initializer_range": 0.02, "position_embedding_type": "absolute",
         "torch_dtype": "float32"}
+
+
+def _bert_model(out: Path, vocab: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.models import bert
+
+    config = _bert_config(vocab)
     _write_json(out / "config.json", config)
     mx.random.seed(4321)
     model = bert.Model(bert.ModelArgs.from_dict(config))
@@ -383,21 +388,27 @@ def _xlmr_tokenizer(out: Path) -> dict:
             "pad_token_id": ids["<pad>"], "vocab_size": tok.get_vocab_size()}
 
 
+def _xlmr_config(vocab: int, ids: dict) -> dict:
+    """The XLM-RoBERTa fixtures' config.json (XLMRobertaModel); `ids`, the
+    tokenizer's special tokens'."""
+    pad = ids["pad_token_id"]
+    return {
+        "model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        "hidden_act": "gelu", "max_position_embeddings": XLMR_CONTEXT + pad + 1,
+        "type_vocab_size": 1, "vocab_size": vocab, "layer_norm_eps": 1e-5,
+        "pad_token_id": pad, "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": ids["eos_token_id"], "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02,
+        "position_embedding_type": "absolute", "torch_dtype": "float32"}
+
+
 def _build_xlmr(out: Path) -> dict:
     import mlx.core as mx
     from mlx_embeddings.models import xlm_roberta
 
     ids = _xlmr_tokenizer(out)
-    pad = ids["pad_token_id"]
-    config = {
-        "model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"], "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-        "hidden_act": "gelu", "max_position_embeddings": XLMR_CONTEXT + pad + 1,
-        "type_vocab_size": 1, "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-5,
-        "pad_token_id": pad, "bos_token_id": ids["bos_token_id"],
-        "eos_token_id": ids["eos_token_id"], "hidden_dropout_prob": 0.1,
-        "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02,
-        "position_embedding_type": "absolute", "torch_dtype": "float32"}
+    config = _xlmr_config(ids.pop("vocab_size"), ids)
     _write_json(out / "config.json", config)
     mx.random.seed(5678)
     model = xlm_roberta.Model(xlm_roberta.ModelArgs.from_dict(config))
@@ -430,16 +441,14 @@ def _modernbert_tokenizer(out: Path) -> dict:
             "pad_token_id": ids["[PAD]"], "vocab_size": tok.get_vocab_size()}
 
 
-def _build_modernbert(out: Path) -> dict:
-    import mlx.core as mx
-    from mlx_embeddings.models import modernbert
-
-    ids = _modernbert_tokenizer(out)
-    config = {
+def _modernbert_config(vocab: int, ids: dict) -> dict:
+    """The ModernBERT fixtures' config.json (ModernBertModel); `ids`, the
+    tokenizer's special tokens'."""
+    return {
         "model_type": "modernbert", "architectures": ["ModernBertModel"], "hidden_size": 64,
         "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 96,
         "hidden_activation": "gelu", "max_position_embeddings": MODERNBERT_MAX_LENGTH,
-        "vocab_size": ids.pop("vocab_size"), "norm_eps": 1e-5, "norm_bias": False,
+        "vocab_size": vocab, "norm_eps": 1e-5, "norm_bias": False,
         "global_attn_every_n_layers": 2, "local_attention": MODERNBERT_WINDOW,
         "global_rope_theta": 160000.0, "local_rope_theta": 10000.0,
         "attention_bias": False, "attention_dropout": 0.0, "embedding_dropout": 0.0,
@@ -447,6 +456,14 @@ def _build_modernbert(out: Path) -> dict:
         "tie_word_embeddings": True, "torch_dtype": "float32",
         "bos_token_id": ids["cls_token_id"], "eos_token_id": ids["sep_token_id"],
         **ids}
+
+
+def _build_modernbert(out: Path) -> dict:
+    import mlx.core as mx
+    from mlx_embeddings.models import modernbert
+
+    ids = _modernbert_tokenizer(out)
+    config = _modernbert_config(ids.pop("vocab_size"), ids)
     _write_json(out / "config.json", config)
     mx.random.seed(8765)
     model = modernbert.ModernBertModel(modernbert.ModelArgs.from_dict(config))
@@ -460,6 +477,7 @@ def _build_modernbert(out: Path) -> dict:
 # -- cross-encoders: an encoder and transformers' classification head --
 
 SIGMOID = "torch.nn.modules.activation.Sigmoid"
+ONE_LABEL = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 IDENTITY = "torch.nn.modules.linear.Identity"
 
 
@@ -488,14 +506,9 @@ def _build_bert_rerank(out: Path) -> dict:
     from mlx_embeddings.models import bert
 
     ids = _bert_tokenizer(out)
-    config = {
-        "model_type": "bert", "architectures": ["BertForSequenceClassification"],
-        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 128, "hidden_act": "gelu",
-        "max_position_embeddings": BERT_MAX_LENGTH, "type_vocab_size": 2,
-        "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-12, "pad_token_id": 0,
-        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
-        "sbert_ce_default_activation_function": IDENTITY, "torch_dtype": "float32"}
+    config = {**_bert_config(ids.pop("vocab_size")),
+              "architectures": ["BertForSequenceClassification"], **ONE_LABEL,
+              "sbert_ce_default_activation_function": IDENTITY}
     _write_json(out / "config.json", config)
     mx.random.seed(2468)
     trunk = _scaled(bert.Model(bert.ModelArgs.from_dict(config)).parameters())
@@ -513,15 +526,8 @@ def _build_xlmr_rerank(out: Path) -> dict:
     from mlx_embeddings.models import xlm_roberta
 
     ids = _xlmr_tokenizer(out)
-    pad = ids["pad_token_id"]
-    config = {
-        "model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"],
-        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 128, "hidden_act": "gelu",
-        "max_position_embeddings": XLMR_CONTEXT + pad + 1, "type_vocab_size": 1,
-        "vocab_size": ids.pop("vocab_size"), "layer_norm_eps": 1e-5, "pad_token_id": pad,
-        "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
-        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "torch_dtype": "float32"}
+    config = {**_xlmr_config(ids.pop("vocab_size"), ids),
+              "architectures": ["XLMRobertaForSequenceClassification"], **ONE_LABEL}
     _write_json(out / "config.json", config)
     mx.random.seed(3579)
     args = xlm_roberta.ModelArgs.from_dict({**config, "add_pooling_layer": False})
@@ -539,19 +545,11 @@ def _build_modernbert_rerank(out: Path) -> dict:
     from mlx_embeddings.models import modernbert
 
     ids = _modernbert_tokenizer(out)
-    config = {
-        "model_type": "modernbert", "architectures": ["ModernBertForSequenceClassification"],
-        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "intermediate_size": 96, "hidden_activation": "gelu",
-        "max_position_embeddings": MODERNBERT_MAX_LENGTH, "vocab_size": ids.pop("vocab_size"),
-        "norm_eps": 1e-5, "norm_bias": False, "global_attn_every_n_layers": 2,
-        "local_attention": MODERNBERT_WINDOW, "global_rope_theta": 160000.0,
-        "local_rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
-        "classifier_pooling": "mean", "classifier_activation": "gelu",
-        "classifier_bias": False, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
-        "sentence_transformers": {"activation_fn": SIGMOID, "version": "4.1.0"},
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-        "bos_token_id": ids["cls_token_id"], "eos_token_id": ids["sep_token_id"], **ids}
+    config = {**_modernbert_config(ids.pop("vocab_size"), ids),
+              "architectures": ["ModernBertForSequenceClassification"], **ONE_LABEL,
+              "classifier_pooling": "mean", "classifier_activation": "gelu",
+              "classifier_bias": False,
+              "sentence_transformers": {"activation_fn": SIGMOID, "version": "4.1.0"}}
     _write_json(out / "config.json", config)
     mx.random.seed(4680)
     trunk = _scaled(modernbert.ModernBertModel(modernbert.ModelArgs.from_dict(config)).parameters())

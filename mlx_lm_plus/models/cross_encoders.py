@@ -115,8 +115,10 @@ class CrossEncoderHead:
             logits = head.out_proj(mx.tanh(head.dense(hidden[:, 0])))
         else:  # modernbert
             if self.pooling == "mean":
-                valid = (mx.arange(hidden.shape[1])[None] < lengths[:, None])[..., None]
-                pooled = (hidden * valid).sum(axis=1) / lengths[:, None].astype(hidden.dtype)
+                # (embedders.py imports this module: its Pooling, named here)
+                from mlx_lm_plus.models.embedders import Pooling
+
+                pooled = Pooling("mean", normalize=False)(hidden, lengths, mx.zeros_like(lengths))
             else:
                 pooled = hidden[:, 0]
             x = model.head.norm(nn.gelu(model.head.dense(pooled)))  # (exact GELU)

@@ -233,14 +233,10 @@ class Embedder:
     def scores(self, hidden: mx.array, lengths: mx.array) -> mx.array:
         """[B, L, H] hidden states of right-padded rerank inputs -> [B]
         float32 relevance scores: a cross-encoder's head, or a decoder's
-        yes/no at each prompt's last position."""
+        yes/no at each prompt's last position: P("yes") / (P("yes") + P("no"))."""
         if self.cross_encoder is not None:
             return self.cross_encoder(self.model, hidden, lengths)
-        return self.score(hidden[mx.arange(hidden.shape[0]), lengths - 1])
-
-    def score(self, last_hidden: mx.array) -> mx.array:
-        """[B, H] hidden states at each prompt's last position -> [B]
-        P("yes") / (P("yes") + P("no")), in float32."""
+        last_hidden = hidden[mx.arange(hidden.shape[0]), lengths - 1]
         model = self.model
         if hasattr(model, "lm_head"):
             logits = model.lm_head(last_hidden)

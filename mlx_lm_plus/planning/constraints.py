@@ -223,12 +223,7 @@ class ConstraintProcessor:
             # for any grammar failure.)
             self._fail()
             return 0, None
-        bits = np.unpackbits(bitmask[:checked].view(np.uint8), axis=1,
-                             bitorder="little").view(bool)
-        keep = np.zeros((checked, vocab), dtype=bool)
-        known = min(vocab, bits.shape[1])
-        keep[:, :known] = bits[:, :known]
-        return checked, keep
+        return checked, _allowed(bitmask[:checked], vocab)
 
     def _first(self, context) -> str:
         """The first call: the prompt sets the thinking state."""
@@ -368,16 +363,13 @@ def _mask(shape, needs, tic: float) -> Optional[LogitMask]:
         for i, (_, p) in enumerate(masked):
             row = bitmask[i]
             p.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
-        known = min(vocab, bits.shape[1])
+        rows = _allowed(bitmask, vocab)
         for i, (e, p) in enumerate(masked):
             if p.matcher.is_error():
                 p._fail()
                 eos.append((e, p))
                 continue
-            allowed[e, :known] = bits[i, :known]
-            # Ids past the tokenizer's vocabulary (padded embeddings) never.
-            allowed[e, known:] = False
+            allowed[e] = rows[i]
             for t in p._extra_ids:
                 if t < vocab:
                     allowed[e, t] = True
@@ -394,6 +386,17 @@ def _mask(shape, needs, tic: float) -> Optional[LogitMask]:
         p.steps += 1
         p.mask_seconds += (time.perf_counter() - tic) / len(work)
     return LogitMask(allowed, at_eos)
+
+
+def _allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """llguidance's bitmasks ([n, words] int32, a bit per tokenizer id) as
+    [n, vocab] bool: ids past the tokenizer's vocabulary (padded
+    embeddings) never."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)
+    out = np.zeros((len(bitmask), vocab), dtype=bool)
+    known = min(vocab, bits.shape[1])
+    out[:, :known] = bits[:, :known]
+    return out
 
 
 def _find(seq: List[int], sub: Sequence[int]) -> int:

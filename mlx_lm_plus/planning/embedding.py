@@ -172,11 +172,11 @@ def plan_rerank(embedder, key, request: RerankRequest) -> EmbeddingPlan:
                           f"{at_least * len(request.documents)} tokens in all (the query in "
                           f"each), more than {MAX_REQUEST_TOKENS} a request")
     if cross:
-        segments = [] if embedder.token_types else None
+        segments = []
         inputs = _tokenized(embedder, list(request.documents), True, "document",
                             query=request.query, segments=segments)
         return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs),
-                             tuple(segments or ()))
+                             tuple(segments) if embedder.token_types else ())
     texts = [f"{shared}<Document>: {doc}{RERANK_SUFFIX}" for doc in request.documents]
     inputs = _tokenized(embedder, texts, False, "document")
     return EmbeddingPlan(key, "rerank", tuple(inputs), (0,) * len(inputs))
