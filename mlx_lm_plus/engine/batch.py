@@ -47,7 +47,6 @@ class _Batch:
         self.stream = stream
         self.model_key = lm.key
         self.keep_checkpoints = host.facts.keep_checkpoints(lm)
-        self.text_only = lm.processor is None
         # (Proposes for this model's rows in the batch: speculation.py.)
         self.draft_model = getattr(lm, "draft_model", None)
         # (The draft's KV between requests: a store of its own, a quarter of
@@ -96,13 +95,13 @@ class _Batch:
         # Speculation (speculation.py), from the draft model or by prompt
         # lookup: where the KV is plain or the recurrent layers tapped
         # (rollback.py), and one process decides (under mx.distributed every
-        # rank would have to draw alike), on text models (a vision model's
-        # positions are its own). A model with a draft is batched only where
-        # its draft can propose here (facts.drafts_in_batch).
+        # rank would have to draw alike). A model with a draft is batched
+        # only where its draft can propose here (facts.drafts_in_batch).
         self.lookups = None
         if ((args.prompt_lookup_tokens or self.draft_model is not None)
-                and generator in (BatchGenerator, taps.TappingBatchGenerator)
-                and not self.host.group.is_distributed and self.text_only):
+                and generator in (BatchGenerator, taps.TappingBatchGenerator,
+                                  QuantizedBatchGenerator)
+                and not self.host.group.is_distributed):
             self.lookups = speculation.install(
                 self.generator, self.draft_model,
                 prefill_chunk(args.prefill_step_size, True), self.draft_prompts, self.vocab)

@@ -36,7 +36,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, RotatingKVCache,
+                                  make_prompt_cache)
 
 from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, roll_into_padding
 
@@ -70,16 +71,17 @@ def _span(tokens: Tokens, start: int, stop: int) -> List[int]:
 
 def drafts_in_batch(model, draft, tapped: bool) -> bool:
     """Whether `draft` can propose for `model`'s batch: the draft's layers
-    plain KV (rolled back per row by trimming and rolling), the model's too
-    or, where its recurrent mixers are `tapped` (taps.py), recurrent
-    (rollback.py)."""
+    plain KV (rolled back per row by trimming and rolling), the model's
+    plain KV or sliding windows (batch_kv.py) or, where its recurrent mixers
+    are `tapped` (taps.py), recurrent (rollback.py)."""
     def kinds(m):
         try:
             return {type(c) for c in make_prompt_cache(m)}
         except Exception:
             return {None}
-    return kinds(draft) == {KVCache} and kinds(model) in (
-        {KVCache}, {KVCache, ArraysCache}, {ArraysCache}) and (tapped or kinds(model) == {KVCache})
+    layers = kinds(model)
+    return kinds(draft) == {KVCache} and layers <= {KVCache, RotatingKVCache, ArraysCache} \
+        and bool(layers) and (tapped or ArraysCache not in layers)
 
 
 class DraftPrompts:

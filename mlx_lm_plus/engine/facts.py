@@ -46,13 +46,13 @@ class ModelFacts:
 
     def drafts_in_batch(self, lm) -> bool:
         """Whether `lm`'s draft model proposes inside its batch
-        (speculation.py, drafting.py): plain KV or recurrent layers its
-        checking steps tap (taps.install_for_checking), a text
-        model, no --kv-bits, the GenerationBatch it was written for, one
-        process. Else its requests take the sequential path, as upstream's
-        do."""
+        (speculation.py, drafting.py): plain KV (quantized by --kv-bits
+        where the model's requests batch: is_batchable), sliding windows or
+        recurrent layers its checking steps tap (taps.install_for_checking),
+        a text model, the GenerationBatch it was written for, one process.
+        Else its requests take the sequential path, as upstream's do."""
         return lm.draft_model is not None and self._per_model(lm, "drafts in batch", lambda: (
-            lm.processor is None and self.cli_args.kv_bits is None
+            lm.processor is None
             and not self.group.is_distributed and generation_batch_as_written()
             and drafts_in_batch(lm.model, lm.draft_model,
                                 tapped=taps.install_for_checking(lm.model) is not None)))

@@ -330,6 +330,21 @@ class BatchQuantizedKVCache(BaseCache):
                              for c in caches])
 
 
+def widest_float_call(prompt_cache) -> Optional[int]:
+    """The most positions a speculative check (engine/speculation.py) may
+    have while a layer is float, so that it leaves the layer float: upstream
+    quantizes after the call at whose end a row holds quantized_kv_start
+    tokens, and a check whose last positions reach it would attend its first
+    ones in float where one-token steps would not. (None: no such layer.
+    Once quantized, a check attends quantized as those steps do.)"""
+    widest = None
+    for c in prompt_cache:
+        if isinstance(c, BatchQuantizedKVCache) and not c.quantized:
+            room = c.quantized_kv_start - 1 - max(c._lengths, default=0)
+            widest = room if widest is None else min(widest, room)
+    return widest
+
+
 def from_layer(layer, *, group_size: int, kv_bits: int,
                quantized_kv_start: int) -> BatchQuantizedKVCache:
     """A one-row cache holding a request's KVCache or QuantizedKVCache

@@ -41,10 +41,14 @@ close a strict tool call, and the row never carries (the grammar reads the
 row's tokens in the KV). A row with a thinking budget still counting
 proposes nothing (a count can't unsee a rejected token).
 
+Sliding windows (batch_kv.py: trimmed and rolled right after the check's
+call, its buffer put in order before it), vision models (M-RoPE positions
+follow each row's offset) and --kv-bits layers (quantized_batch.py: a
+float layer's check stays short of its start) propose too.
+
 Rows that do not propose (in this version): seeded rows that sample (their
-draws follow upstream's seeded text) and XTC; and no row of a model with layers
-other than plain KV and tapped recurrent ones (sliding windows, quantized
-KV: not rolled back here), of a vision model, or under mx.distributed. Rows
+draws follow upstream's seeded text) and XTC; and no row of a model with
+layers other than those, or under mx.distributed. Rows
 that do not propose still share a verifying step: position 0 is theirs,
 processed and sampled as the plain step does (patches/
 batched_logits_processors.py's process_rows, then the row's sampler), the
@@ -67,12 +71,14 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import ArraysCache, BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from mlx_lm_plus.engine import rollback, taps
-from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, roll_into_padding
+from mlx_lm_plus.engine.batch_kv import (MAX_POSITIONS, in_temporal_order, roll_into_padding,
+                                         trim_end)
 from mlx_lm_plus.engine.drafting import DraftPrompts, DraftRows
 from mlx_lm_plus.engine.lookup import RowLookup
+from mlx_lm_plus.engine.quantized_batch import BatchQuantizedKVCache, widest_float_call
 from mlx_lm_plus.engine.sampling import RowSampling
 from mlx_lm_plus.logs import warn_once
 from mlx_lm_plus.upstream import (WRITTEN_FOR, generation_batch, generation_batch_as_written,
@@ -214,10 +220,12 @@ def widest_paying(rows: List[RowLookup], proposals: List[List[int]], fed: List[i
 
 def speculates(prompt_cache, recorder=None) -> bool:
     """Whether a batch's layers can be rolled back per row here: plain
-    BatchKVCache, and recurrent layers (ArraysCache) where the model's
-    mixers are tapped (rollback.py; `recorder`, taps.install)."""
+    BatchKVCache, sliding windows (BatchRotatingKVCache: batch_kv.py), and
+    recurrent layers (ArraysCache) where the model's mixers are tapped
+    (rollback.py; `recorder`, taps.install)."""
     return bool(prompt_cache) and all(
-        type(c) is BatchKVCache or (type(c) is ArraysCache and recorder is not None)
+        isinstance(c, (BatchKVCache, BatchRotatingKVCache, BatchQuantizedKVCache))
+        or (type(c) is ArraysCache and recorder is not None)
         for c in prompt_cache)
 
 
@@ -260,9 +268,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
             proposals = [[0] * min(lookup.length, room) if look else []
                          for lookup, look, room in zip(lookups, looking, rooms)]
         fed = [len(self.carried.get(uid, ())) + 1 for uid in self.uids]
-        states_cap = None if self.recorder is None else rollback.widest(self.prompt_cache)
-        if states_cap is not None:  # (recurrent states held per position)
-            proposals = [p[:max(0, states_cap - max(fed))] for p in proposals]
+        # (Recurrent states held per position; a --kv-bits layer still
+        # float quantizes after the call that takes a row past its start.)
+        caps = [rollback.widest(self.prompt_cache) if self.recorder is not None else None,
+                widest_float_call(self.prompt_cache)]
+        if any(cap is not None for cap in caps):
+            cap = min(cap for cap in caps if cap is not None)
+            proposals = [p[:max(0, cap - max(fed))] for p in proposals]
         if any(proposals):
             # (Every EXPLORE_EVERY steps without a check, one is made as if
             # checking cost nothing, within the bound a row proposing nothing
@@ -332,6 +344,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         known = mx.array([f + [0] * (width - len(f)) for f in fed], dtype=mx.uint32)
         is_pending = mx.arange(width)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, self._next_tokens[:, None].astype(mx.uint32), known)
+        in_temporal_order(self.prompt_cache)
         taps = None
         if self.recorder is not None and rollback.recurrent_layers(self.prompt_cache):
             taps = rollback.StateTaps(self.recorder, self.prompt_cache, width)
@@ -452,7 +465,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         kv = self._kv_layers()
         for c in kv:
             if drop:
-                c.trim(drop)
+                trim_end(c, drop)
         if any(rolled) and kv:
             tic = time.perf_counter()
             held = rows * kv[0].size()
@@ -491,8 +504,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # Nor where next step's positions, with rows that may join, could
         # pass MAX_POSITIONS.)
         # (Nor without KV layers, a Mamba: no positions, nothing to roll.)
+        # (Nor on a --kv-bits layer still float: carried tokens would be fed
+        # whatever widest_float_call allows.)
         if (most == least or most - least > CARRY_MAX or self.carried
-                or 4 * rows * (most - least + 1) > MAX_POSITIONS or not self._kv_layers()):
+                or 4 * rows * (most - least + 1) > MAX_POSITIONS or not self._kv_layers()
+                or widest_float_call(self.prompt_cache) is not None):
             return least
         carry = self.cost.slope() * rows * (most - least)
         roll = self.roll_cost.predict(rows * self._kv_layers()[0].size()) \
@@ -569,7 +585,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                         c.cache = taps.row_at(recurrent, i, stays[i] - extra)
                         recurrent += 1
                     else:
-                        c.trim(extra)
+                        trim_end(c, extra)
             responses.append(self.Response(self.uids[i], tokens[n - 1], logprobs[n - 1],
                                            finish_reason, cache, self.tokens[i]))
         if len(keep) < len(self.uids):

@@ -216,13 +216,18 @@ def test_sampled_rows_keep_their_distribution_with_a_draft(fixture_path, monkeyp
     assert_same_distribution(counts)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-def test_a_hybrid_model_drafts_in_the_batch(kind, fixture_path, monkeypatch):
-    """A hybrid model (recurrent states rolled back from taps, rollback.py)
-    with an attention draft: eight rows in the batch, rolled or carried as
-    they reject, write what they write without a draft."""
+@pytest.mark.parametrize("kind,argv", [
+    ("qwen3_5", []), ("nemotron_h", []), ("gemma3_text", []),
+    ("qwen3_kv", ["--kv-bits", "4", "--quantized-kv-start", "0"])])
+def test_a_hybrid_model_drafts_in_the_batch(kind, argv, fixture_path, monkeypatch):
+    """A hybrid model (recurrent states rolled back from taps, rollback.py),
+    one with sliding windows (Gemma 3's, batch_kv.py) or a quantized KV
+    (--kv-bits, quantized_batch.py) with an attention draft: eight rows in
+    the batch, rolled or carried as they reject, write what they write
+    without a draft."""
     model = fixture_path(kind)
-    off, on = EngineRunner(model), EngineRunner(model, argv=draft_argv(fixture_path("qwen3")))
+    off = EngineRunner(model, argv=argv)
+    on = EngineRunner(model, argv=argv + draft_argv(fixture_path("qwen3")))
     try:
         checked_always(monkeypatch)
         bodies = MIXED

@@ -17,7 +17,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.server import Response
 
 from mlx_lm_plus.engine import speculation
@@ -50,8 +50,9 @@ def chat(text, **kw):
 
 def replies(runner, bodies, path="/v1/chat/completions"):
     """Each request's (tokens, logprobs of those tokens, its context: the
-    prompt, its speculation figures)."""
-    channels = [runner.submit(b, path=path) for b in bodies]
+    prompt, its speculation figures). Logprobs are asked for where a body
+    does not say (a token's logprob is 0.0 unless asked)."""
+    channels = [runner.submit({"logprobs": True, **b}, path=path) for b in bodies]
     out = []
     for channel in channels:
         tokens, logprobs, ctx = [], [], None
@@ -131,10 +132,12 @@ def forced(monkeypatch, drop=None):
                             lambda self, r: min(r))
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "gemma3_text"])
 def pair(fixture_path, request):
-    """The attention fixture, and a hybrid one (Qwen3.5: GatedDeltaNet
-    layers, their states rolled back from taps, rollback.py)."""
+    """The attention fixture, a hybrid one (Qwen3.5: GatedDeltaNet layers,
+    their states rolled back from taps, rollback.py) and one with sliding
+    windows (Gemma 3: a 32-token window every other layer, passed by every
+    prompt here; batch_kv.py)."""
     off = EngineRunner(fixture_path(request.param))
     on = EngineRunner(fixture_path(request.param), argv=LOOKUP)
     yield off, on
@@ -236,6 +239,15 @@ def test_a_row_that_stops_inside_its_kept_tokens_hands_back_only_its_own(
         if isinstance(mine, ArraysCache):
             for a, b in zip(mine.cache, theirs.cache):
                 np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-3)
+        if isinstance(mine, RotatingKVCache):
+            # A sliding window's: its buffer, in the order its next update
+            # reads it (a one-token update keeps all but its front), is
+            # the key's last positions, the window before the next at least.
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                held = mine._temporal_order(a)
+                assert mine.max_size - 1 <= held.shape[2] <= b.shape[2]
+                np.testing.assert_allclose(np.array(held), np.array(b[..., -held.shape[2]:, :]),
+                                           atol=1e-4, rtol=1e-3)
     if beside:
         (want, _, _), = run(off, [other])
         assert rest[0][0] == want
@@ -349,16 +361,106 @@ def test_sampled_rows_in_the_batch_keep_their_distribution(fixture_path, monkeyp
     assert_same_distribution(counts)
 
 
-@pytest.mark.parametrize("kind,checks", [
-    ("mamba", True), ("mamba2", True), ("nemotron_h", True), ("jamba", True),
-    ("gemma3_text", False)])
-def test_recurrent_models_roll_back_their_states(kind, checks, fixture_path, monkeypatch):
+def test_a_short_row_beside_a_long_one_in_a_sliding_window(fixture_path, monkeypatch):
+    """Sliding windows (Gemma 3's 32 tokens): a long row fills and wraps
+    the window's buffer with plain steps while a short row beside it is
+    still left-padded there; checks made then (every third step) keep both
+    rows' text and logprobs those without speculation (a check's mask must
+    take the buffer's order from before the check: batch_kv.py)."""
+    kind = "gemma3_text"
+    off, on = EngineRunner(fixture_path(kind)), EngineRunner(fixture_path(kind), argv=LOOKUP)
+    try:
+        long = " ".join(f"w{i}" for i in range(30))
+        bodies = [{"prompt": long, "max_tokens": 40}, {"prompt": "a b", "max_tokens": 24}]
+        tokenizer = on.loaded.tokenizer
+        assert len(tokenizer.encode(long)) > 40 and len(tokenizer.encode("a b")) < 6
+        reference = run(off, bodies, "/v1/completions")
+        oracle = Oracle(reference, corrupt=0.3)
+        calls = []
+
+        def propose(lookup, tokens, tail, room):
+            calls.append(1)  # (proposals every third call: plain steps between)
+            return oracle.propose(lookup, tokens, tail, room) if len(calls) % 3 == 0 else []
+
+        monkeypatch.setattr(speculation.RowLookup, "propose", propose)
+        monkeypatch.setattr(speculation.RowLookup, "ready", lambda lookup: True)
+        forced(monkeypatch)
+        got = run(on, bodies, "/v1/completions")
+        for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
+            assert tokens == want
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+    finally:
+        off.close()
+        on.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3_vl", "qwen3_5_vl"])
+def test_vision_models_propose_beside_images(kind, fixture_path, monkeypatch):
+    """Vision models (Qwen2.5-VL's M-RoPE, whose text positions follow each
+    row's offset; Gemma 3's sliding windows; Qwen3.5's recurrent layers):
+    rows with images and rows of text in one batch, offered an oracle's
+    proposals, write the text and logprobs they write without; rejected
+    positions rolled or carried."""
+    from tests.models.test_vision import BLUE, RED, image_part, user
+
+    off, on = EngineRunner(fixture_path(kind)), EngineRunner(fixture_path(kind), argv=LOOKUP)
+    try:
+        bodies = [{"messages": [user(image_part(RED), "Describe the picture.")], "max_tokens": 40},
+                  {"messages": [user(image_part(BLUE), "and", image_part(RED), "Compare.")],
+                   "max_tokens": 30},
+                  chat("Tell me about rivers and boats.", max_tokens=40),
+                  chat("Count the stations.", max_tokens=35, repetition_penalty=1.3)]
+        reference = run(off, bodies)
+        Oracle(reference, corrupt=0.3).install(monkeypatch)
+        forced(monkeypatch)
+        got = replies(on, bodies)
+        for (want, want_lp, _), (tokens, lp, ctx), body in zip(reference, got, bodies):
+            assert tokens == want, body
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+            assert ctx.speculation["accepted"] > 0, body  # (image rows too)
+        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+    finally:
+        off.close()
+        on.close()
+
+
+@pytest.mark.parametrize("start,together,drop", [
+    (0, 8, None), (0, 8, "carry"), (0, 8, "roll"), (40, 1, None)])
+def test_kv_bits_rows_propose(fixture_path, monkeypatch, start, together, drop):
+    """--kv-bits (a batched quantized KV, quantized_batch.py): rows quantized
+    from their first call, eight at a time, or alone and quantized in the
+    middle of the answer (--quantized-kv-start 40), write what they write
+    without proposals: a check never takes a float layer to its start (it
+    would attend in float what one-token steps attend quantized)."""
+    path = fixture_path("qwen3_kv")
+    kv = ["--kv-bits", "4", "--quantized-kv-start", str(start)]
+    off, on = EngineRunner(path, argv=kv), EngineRunner(path, argv=kv + LOOKUP)
+    try:
+        bodies = MIXED[:together]
+        reference = run(off, bodies)
+        if start:
+            assert len(reference[0][2]) < start < len(reference[0][2]) + len(reference[0][0])
+        Oracle(reference, corrupt=0.5, seed=3).install(monkeypatch)
+        forced(monkeypatch, drop)
+        got = run(on, bodies)
+        for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
+            assert tokens == want, body
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+        assert on.sequential == 0
+    finally:
+        off.close()
+        on.close()
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "nemotron_h", "jamba"])
+def test_recurrent_models_roll_back_their_states(kind, fixture_path, monkeypatch):
     """Recurrent layers (Mamba 1 and 2, Nemotron-H's, Jamba's beside
     attention) have each row's state set back to the one after what it
     kept (rollback.py; mamba2's chunked scan too: a checking step cuts it at
     every position, one token a piece as a decode step runs it): offered an
-    oracle's proposals, they check them and write what they write without.
-    Sliding windows are not rolled back here: gemma3 checks none."""
+    oracle's proposals, they check them and write what they write without."""
     off, on = EngineRunner(fixture_path(kind)), EngineRunner(fixture_path(kind), argv=LOOKUP)
     try:
         bodies = [chat(" ".join(f"word {j} of line {i}." for j in range(12)), max_tokens=40)
@@ -370,9 +472,7 @@ def test_recurrent_models_roll_back_their_states(kind, checks, fixture_path, mon
         for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
             assert tokens == want
             np.testing.assert_allclose(lp, want_lp, atol=2e-4)
-        assert (on.engine.counters.lookup_steps > 0) == checks
-        if checks:
-            assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
     finally:
         off.close()
         on.close()
