@@ -245,4 +245,4 @@ def weights_identity(model_converted: bool, native_kernels: bool = False) -> str
         return ""
     blas = os.path.basename(FAST_BLAS) if FAST_BLAS else "bundled"
     return (f",cpu_blas={blas}" + (",weights=float32" if model_converted else "")
-            + (",kernels=native" if native_kernels else ""))
+            + (",kernels=native,attention=native" if native_kernels else ""))

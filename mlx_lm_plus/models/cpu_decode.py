@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_lm_plus import native
+from mlx_lm_plus.models import cpu_attention
 
 # Calls with at most this many rows of x use the quantized form: a decode
 # step of a batch of up to 8, or a speculative check of a few rows.
@@ -168,9 +169,11 @@ def _native_norm(norm: nn.RMSNorm) -> NativeRMSNorm:
 
 def use_native_layers(model) -> int:
     """Every mlx.nn.RoPE and mlx.nn.RMSNorm of `model` made a NativeRoPE or
-    NativeRMSNorm where the kernels are built; how many."""
+    NativeRMSNorm where the kernels are built, and its attention ours
+    (cpu_attention.py); how many layers."""
     if native.kernels() is None:
         return 0
+    cpu_attention.install(model)
     replaced = []
     for name, m in model.named_modules():
         if type(m) is nn.RoPE:
@@ -186,7 +189,7 @@ def use_native_layers(model) -> int:
 
 def runs_native_kernels(model) -> bool:
     """Whether any layer of `model` computes with our kernels."""
-    return any(isinstance(m, (DecodeLinear, DecodeEmbedding, NativeRoPE, NativeRMSNorm))
+    return cpu_attention.installed(model) or any(isinstance(m, (DecodeLinear, DecodeEmbedding, NativeRoPE, NativeRMSNorm))
                for _, m in model.named_modules())
 
 

@@ -221,7 +221,7 @@ def test_nothing_kept_without_the_kernels_or_with_keep_quantized(fixture_path, m
 def test_the_disk_tier_knows_the_kernels_compute(monkeypatch):
     monkeypatch.setattr(cpu, "FAST_BLAS", "/usr/lib/x/libopenblas.so.0")
     assert cpu.weights_identity(True, True) == \
-        ",cpu_blas=libopenblas.so.0,weights=float32,kernels=native"
+        ",cpu_blas=libopenblas.so.0,weights=float32,kernels=native,attention=native"
 
 
 @needs_kernels

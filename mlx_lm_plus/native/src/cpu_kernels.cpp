@@ -31,9 +31,22 @@
 //   MLX 0.32's CPU fallback is 6 ops (square, mean, add, rsqrt, two
 //   products): 61 calls a decode step of the demo model. Same arithmetic:
 //   x * rsqrt(mean(x * x) + eps) * weight, the mean a float32 sum over D
-//   divided by D (summed in 16 lanes: its last bit may differ from MLX's).
+//   divided by D (summed in LANES lanes: its last bit may differ from MLX's).
+//
+// softmax(x):
+//   mx.softmax(x, axis=-1) for float32 x, each row exp(x - max) / sum in
+//   float32, exp in 8 lanes (Cephes' expf: range reduction by ln 2, a
+//   degree-6 polynomial, within 2 ulp; 0 below -87.3, as expf underflows).
+//   MLX 0.32's CPU exp runs about 17 ns a value on this machine (a scalar
+//   loop in the wheel built for any x86-64), 10x NumPy's: attention's
+//   softmax was most of a decode step's attention at a long context and
+//   nearly all of a long prompt's (cpu_attention.py). A row's values do not
+//   depend on the other rows.
 
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <array>
 #include <atomic>
@@ -99,29 +112,73 @@ inline float to_float(mx::bfloat16_t v) {
   return f;
 }
 
-// 16 lanes, written out (GCC/Clang vector extensions) rather than left to
-// the auto-vectorizer: every row then runs the same instructions in the same
-// order, whatever M, and no float sum is reassociated (a row's result must
-// not depend on its batch).
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+// LANES lanes, written out (GCC/Clang vector extensions) rather than left
+// to the auto-vectorizer: every row then runs the same instructions in the
+// same order, whatever M, and no float sum is reassociated (a row's result
+// must not depend on its batch). One vector register's worth: 16 floats
+// with AVX-512, else 8. (Wider than the registers, GCC 12 splits the
+// arithmetic but moves bytes and compares a lane at a time: on an AVX2
+// machine 16 lanes ran a 4-bit 1536x576 matvec in 405 us, 8 in 47.)
+#ifdef __AVX512F__
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+typedef uint8_t u8xL __attribute__((vector_size(LANES)));
+typedef float f32xL __attribute__((vector_size(4 * LANES)));
+typedef int32_t i32xL __attribute__((vector_size(4 * LANES)));
 
-// Bytes to floats by way of int32 (GCC 12 converts bytes to floats a lane
-// at a time; through int32 it widens and converts in two vector steps).
-inline f32x16 to_floats(u8x16 b) {
-  return __builtin_convertvector(__builtin_convertvector(b, i32x16), f32x16);
+// LANES bytes at p to floats: all of them (bytes), or their low and high
+// nibbles (nibbles). With AVX2 and 8 lanes by its instructions (GCC 12
+// moves an 8-byte vector's bytes one at a time); else by way of int32 (GCC
+// 12 converts bytes to floats a lane at a time; through int32 it widens and
+// converts in two vector steps).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline f32xL widen(__m128i b) {
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  f32xL out;
+  std::memcpy(&out, &f, sizeof(out));
+  return out;
 }
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline f32xL bytes(const uint8_t* p) {
+  return widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void nibbles(const uint8_t* p, f32xL& lo, f32xL& hi) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0f);
+  lo = widen(_mm_and_si128(b, low));
+  hi = widen(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+#else
+inline f32xL to_floats(u8xL b) {
+  return __builtin_convertvector(__builtin_convertvector(b, i32xL), f32xL);
+}
+
+inline f32xL bytes(const uint8_t* p) {
+  u8xL b;
+  std::memcpy(&b, p, LANES);
+  return to_floats(b);
+}
+
+inline void nibbles(const uint8_t* p, f32xL& lo, f32xL& hi) {
+  u8xL b;
+  std::memcpy(&b, p, LANES);
+  lo = to_floats(b & 0x0f);
+  hi = to_floats(b >> 4);
+}
+#endif
+
+inline f32xL loadL(const float* p) {
+  f32xL v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline float sum16(f32x16 v) {
+inline float sumL(f32xL v) {
   float t = 0.f;
-  for (int i = 0; i < 16; i++) {
+  for (int i = 0; i < LANES; i++) {
     t += v[i];
   }
   return t;
@@ -158,10 +215,13 @@ std::vector<float> group_sums(const float* x, int M, int K, int gs) {
 }
 
 
-template <int gs, typename T>
+// ROWS: M known when compiled (1: a single stream's decode step, its
+// accumulators then held in registers; its arithmetic is the same), or 0.
+template <int gs, typename T, int ROWS = 0>
 void qmv4(const float* x, const uint8_t* w, const T* scales, const T* biases,
-          float* out, int M, int N, int K) {
-  constexpr int C = gs / 32;  // 16 bytes (32 values) a chunk
+          float* out, int M_, int N, int K) {
+  const int M = ROWS ? ROWS : M_;
+  constexpr int C = gs / (2 * LANES);  // LANES bytes (2 LANES values) a chunk
   const int G = K / gs;
   const int threads = kernel_threads.load();
   SplitRows s = split_rows(x, M, K);
@@ -174,40 +234,44 @@ void qmv4(const float* x, const uint8_t* w, const T* scales, const T* biases,
   for (int n = 0; n < N; n++) {
     const uint8_t* wr = w + size_t(n) * K / 2;
     // Per row: scale * (its group's dot, lane by lane) summed over groups in
-    // 16 lanes, added up once at the end; bias * sum(x) apart.
-    f32x16 acc[MAX_ROWS] = {};
-    float acc_bias[MAX_ROWS] = {0};
+    // LANES lanes, added up once at the end; bias * sum(x) apart.
+    f32xL acc[ROWS ? ROWS : MAX_ROWS];
+    float acc_bias[ROWS ? ROWS : MAX_ROWS];
+    for (int m = 0; m < M; m++) {
+      acc[m] = f32xL{};
+      acc_bias[m] = 0.f;
+    }
     for (int g = 0; g < G; g++) {
-      f32x16 lo[C], hi[C];
+      f32xL lo[C], hi[C];
       for (int c = 0; c < C; c++) {
-        u8x16 b;
-        std::memcpy(&b, wr + g * (gs / 2) + c * 16, 16);
-        lo[c] = to_floats(b & 0x0f);
-        hi[c] = to_floats(b >> 4);
+        nibbles(wr + g * (gs / 2) + c * LANES, lo[c], hi[c]);
       }
       const float scale = to_float(scales[size_t(n) * G + g]);
       const float bias = to_float(biases[size_t(n) * G + g]);
       for (int m = 0; m < M; m++) {
         const float* e = xe + size_t(m) * K / 2 + g * (gs / 2);
         const float* o = xo + size_t(m) * K / 2 + g * (gs / 2);
-        f32x16 v = lo[0] * load16(e) + hi[0] * load16(o);
+        f32xL v = lo[0] * loadL(e) + hi[0] * loadL(o);
         for (int c = 1; c < C; c++) {
-          v += lo[c] * load16(e + 16 * c) + hi[c] * load16(o + 16 * c);
+          v += lo[c] * loadL(e + LANES * c) + hi[c] * loadL(o + LANES * c);
         }
         acc[m] += v * scale;
         acc_bias[m] += bias * xs[size_t(m) * G + g];
       }
     }
     for (int m = 0; m < M; m++) {
-      out[size_t(m) * N + n] = sum16(acc[m]) + acc_bias[m];
+      out[size_t(m) * N + n] = sumL(acc[m]) + acc_bias[m];
     }
   }
 }
 
-template <int gs, typename T>
+// ROWS: M known when compiled (1: a single stream's decode step, its
+// accumulators then held in registers; its arithmetic is the same), or 0.
+template <int gs, typename T, int ROWS = 0>
 void qmv8(const float* x, const uint8_t* w, const T* scales, const T* biases,
-          float* out, int M, int N, int K) {
-  constexpr int C = gs / 16;  // 16 values a chunk
+          float* out, int M_, int N, int K) {
+  const int M = ROWS ? ROWS : M_;
+  constexpr int C = gs / LANES;  // LANES values a chunk
   const int G = K / gs;
   const int threads = kernel_threads.load();
   std::vector<float> sums = group_sums(x, M, K, gs);
@@ -216,29 +280,31 @@ void qmv8(const float* x, const uint8_t* w, const T* scales, const T* biases,
     if (threads > 1 && int64_t(N) * K >= PARALLEL_VALUES)
   for (int n = 0; n < N; n++) {
     const uint8_t* wr = w + size_t(n) * K;
-    f32x16 acc[MAX_ROWS] = {};  // (as qmv4's)
-    float acc_bias[MAX_ROWS] = {0};
+    f32xL acc[ROWS ? ROWS : MAX_ROWS];  // (as qmv4's)
+    float acc_bias[ROWS ? ROWS : MAX_ROWS];
+    for (int m = 0; m < M; m++) {
+      acc[m] = f32xL{};
+      acc_bias[m] = 0.f;
+    }
     for (int g = 0; g < G; g++) {
-      f32x16 q[C];
+      f32xL q[C];
       for (int c = 0; c < C; c++) {
-        u8x16 b;
-        std::memcpy(&b, wr + g * gs + c * 16, 16);
-        q[c] = to_floats(b);
+        q[c] = bytes(wr + g * gs + c * LANES);
       }
       const float scale = to_float(scales[size_t(n) * G + g]);
       const float bias = to_float(biases[size_t(n) * G + g]);
       for (int m = 0; m < M; m++) {
         const float* xr = x + size_t(m) * K + g * gs;
-        f32x16 v = q[0] * load16(xr);
+        f32xL v = q[0] * loadL(xr);
         for (int c = 1; c < C; c++) {
-          v += q[c] * load16(xr + 16 * c);
+          v += q[c] * loadL(xr + LANES * c);
         }
         acc[m] += v * scale;
         acc_bias[m] += bias * xs[size_t(m) * G + g];
       }
     }
     for (int m = 0; m < M; m++) {
-      out[size_t(m) * N + n] = sum16(acc[m]) + acc_bias[m];
+      out[size_t(m) * N + n] = sumL(acc[m]) + acc_bias[m];
     }
   }
 }
@@ -246,9 +312,10 @@ void qmv8(const float* x, const uint8_t* w, const T* scales, const T* biases,
 template <typename T>
 void dispatch(int bits, int gs, const float* x, const uint8_t* w, const T* s,
               const T* b, float* out, int M, int N, int K) {
-#define CASE(BITS, GS)                          \
-  if (bits == BITS && gs == GS) {               \
-    return qmv##BITS<GS, T>(x, w, s, b, out, M, N, K); \
+#define CASE(BITS, GS)                                                      \
+  if (bits == BITS && gs == GS) {                                           \
+    return M == 1 ? qmv##BITS<GS, T, 1>(x, w, s, b, out, M, N, K)           \
+                  : qmv##BITS<GS, T>(x, w, s, b, out, M, N, K);             \
   }
   CASE(4, 32) CASE(4, 64) CASE(4, 128)
   CASE(8, 32) CASE(8, 64) CASE(8, 128)
@@ -530,13 +597,13 @@ void rms_norm_kernel(const float* x, const float* w, float* out, size_t rows, in
   for (size_t r = 0; r < rows; r++) {
     const float* xr = x + r * D;
     float* o = out + r * D;
-    f32x16 acc = {};
+    f32xL acc = {};
     int d = 0;
-    for (; d + 16 <= D; d += 16) {
-      f32x16 v = load16(xr + d);
+    for (; d + LANES <= D; d += LANES) {
+      f32xL v = loadL(xr + d);
       acc += v * v;
     }
-    float sum = sum16(acc);
+    float sum = sumL(acc);
     for (; d < D; d++) {
       sum += xr[d] * xr[d];
     }
@@ -595,6 +662,150 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    std::move(inputs));
 }
 
+namespace {
+
+// 8 lanes (one AVX register; on 16, GCC 12 compiles selects and compares a
+// lane at a time without AVX-512), selects written as bit operations.
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// a where `mask`, else b.
+inline f32x8 pick(i32x8 mask, f32x8 a, f32x8 b) {
+  i32x8 ai, bi;
+  std::memcpy(&ai, &a, sizeof(ai));
+  std::memcpy(&bi, &b, sizeof(bi));
+  const i32x8 r = (mask & ai) | (~mask & bi);
+  f32x8 out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+// exp of 8 floats (Cephes' expf, as in the SSE/AVX ports of it): x = n ln2
+// + r, |r| <= ln2 / 2, exp(r) by its polynomial, times 2^n by the exponent
+// bits. Below -87.33654 (where expf's result is no longer a normal float)
+// 0, as for -inf and MLX's finfo.min of a masked score.
+inline f32x8 exp8(f32x8 x) {
+  const i32x8 under = x < -87.33654f;
+  x = pick(x > 88.3762626647949f, f32x8{} + 88.3762626647949f, x);
+  x = pick(under, f32x8{}, x);
+  f32x8 fx = x * 1.44269504088896341f + 0.5f;
+  // floor: truncate, then one less where that rounded up (negatives).
+  const f32x8 t = __builtin_convertvector(__builtin_convertvector(fx, i32x8), f32x8);
+  fx = t - __builtin_convertvector(-(t > fx), f32x8);
+  x = x - fx * 0.693359375f;
+  x = x - fx * -2.12194440e-4f;
+  const f32x8 z = x * x;
+  f32x8 y = f32x8{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const i32x8 bits = (__builtin_convertvector(fx, i32x8) + 127) << 23;
+  f32x8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return pick(under, f32x8{}, y * scale);
+}
+
+void softmax_kernel(const float* x, float* out, size_t rows, int D) {
+  const int full = D / 8 * 8;
+  for (size_t r = 0; r < rows; r++) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    f32x8 tops = f32x8{} - INFINITY;
+    for (int d = 0; d < full; d += 8) {
+      const f32x8 v = load8(xr + d);
+      tops = pick(v > tops, v, tops);
+    }
+    float top = -INFINITY;
+    for (int i = 0; i < 8; i++) {
+      top = tops[i] > top ? tops[i] : top;
+    }
+    for (int d = full; d < D; d++) {
+      top = xr[d] > top ? xr[d] : top;
+    }
+    f32x8 acc = {};
+    for (int d = 0; d < full; d += 8) {
+      const f32x8 e = exp8(load8(xr + d) - top);
+      std::memcpy(o + d, &e, sizeof(e));
+      acc += e;
+    }
+    if (full < D) {  // (the tail in a zeroed vector, through the same exp)
+      f32x8 v = {};
+      std::memcpy(&v, xr + full, sizeof(float) * (D - full));
+      const f32x8 e = exp8(v - top);
+      for (int i = 0; i < D - full; i++) {
+        o[full + i] = e[i];
+        acc[i] += e[i];
+      }
+    }
+    float sum = 0.f;
+    for (int i = 0; i < 8; i++) {
+      sum += acc[i];
+    }
+    // (A row of -inf, or with a nan: nan throughout, as MLX's.)
+    if (top == -INFINITY || std::isnan(top) || std::isnan(sum)) {
+      for (int d = 0; d < D; d++) {
+        o[d] = NAN;
+      }
+      continue;
+    }
+    const float inv = 1.0f / sum;
+    int d = 0;
+    for (; d < full; d += 8) {
+      const f32x8 v = load8(o + d) * inv;
+      std::memcpy(o + d, &v, sizeof(v));
+    }
+    for (; d < D; d++) {
+      o[d] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
+class Softmax : public mx::Primitive {
+ public:
+  explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto ready = prepare(inputs, out, encoder);
+    auto& x = ready[0];
+    int D = x.shape(-1);
+    encoder.dispatch([x_ptr = x.data<float>(), out_ptr = out.data<float>(),
+                      rows = x.size() / D, D]() { softmax_kernel(x_ptr, out_ptr, rows, D); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[softmax] CPU only");
+  }
+
+  const char* name() const override { return "mlx_lm_plus.Softmax"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument("[softmax] CPU only");
+  }
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0) {
+    throw std::invalid_argument("[softmax] float32 x (..., D)");
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {x});
+}
+
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "mlx_lm_plus's CPU kernels (an MLX extension)";
   m.attr("MAX_ROWS") = MAX_ROWS;
@@ -614,4 +825,6 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "mx.fast.rms_norm for float32 x (..., D) and weight (D,), one op on the CPU.");
+  m.def("softmax", &softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.softmax(x, axis=-1) for float32 x, one op on the CPU (a vectorized exp).");
 }
