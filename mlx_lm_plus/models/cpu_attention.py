@@ -61,6 +61,7 @@ def installed(model) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _with_native_attention(cls):
+    @functools.wraps(cls.__call__)  # (its signature: taps.py reads a module's)
     def __call__(self, *args, **kwargs):
         depth = getattr(_inside, "depth", 0)
         _inside.depth = depth + 1
