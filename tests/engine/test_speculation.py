@@ -73,6 +73,15 @@ def run(runner, bodies, path="/v1/chat/completions"):
     return [(t, lp, list(ctx.prompt)) for t, lp, ctx in replies(runner, bodies, path)]
 
 
+def assert_as_without(reference, got, runner):
+    """Each request's tokens and logprobs are those of its run without
+    proposals, and proposals were checked: some kept, some rejected."""
+    for (want, want_lp, _), (tokens, lp, _) in zip(reference, got, strict=True):
+        assert tokens == want
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+    assert 0 < runner.engine.counters.lookup_accepted < runner.engine.counters.lookup_proposed
+
+
 class Oracle:
     """Proposes each row's reference continuation (the guess at its pending
     token, then proposals), a token in `corrupt` of them changed (so rows
@@ -386,10 +395,7 @@ def test_a_short_row_beside_a_long_one_in_a_sliding_window(fixture_path, monkeyp
         monkeypatch.setattr(speculation.RowLookup, "ready", lambda lookup: True)
         forced(monkeypatch)
         got = run(on, bodies, "/v1/completions")
-        for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
-            assert tokens == want
-            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
-        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+        assert_as_without(reference, got, on)
     finally:
         off.close()
         on.close()
@@ -444,10 +450,7 @@ def test_kv_bits_rows_propose(fixture_path, monkeypatch, start, together, drop):
         Oracle(reference, corrupt=0.5, seed=3).install(monkeypatch)
         forced(monkeypatch, drop)
         got = run(on, bodies)
-        for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
-            assert tokens == want, body
-            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
-        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+        assert_as_without(reference, got, on)
         assert on.sequential == 0
     finally:
         off.close()
@@ -469,10 +472,7 @@ def test_recurrent_models_roll_back_their_states(kind, fixture_path, monkeypatch
         Oracle(reference, corrupt=0.3).install(monkeypatch)
         forced(monkeypatch)
         got = run(on, bodies)
-        for (want, want_lp, _), (tokens, lp, _) in zip(reference, got):
-            assert tokens == want
-            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
-        assert 0 < on.engine.counters.lookup_accepted < on.engine.counters.lookup_proposed
+        assert_as_without(reference, got, on)
     finally:
         off.close()
         on.close()
