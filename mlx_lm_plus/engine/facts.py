@@ -52,10 +52,15 @@ class ModelFacts:
         a text model, the GenerationBatch it was written for, one process.
         Else its requests take the sequential path, as upstream's do."""
         return lm.draft_model is not None and self._per_model(lm, "drafts in batch", lambda: (
-            lm.processor is None
+            lm.processor is None and (self.cli_args.kv_bits is None or self.batches_quantized(lm))
             and not self.group.is_distributed and generation_batch_as_written()
             and drafts_in_batch(lm.model, lm.draft_model,
                                 tapped=taps.install_for_checking(lm.model) is not None)))
+
+    def batches_quantized(self, lm) -> bool:
+        """Whether `lm`'s --kv-bits requests batch (quantized_batch.py)."""
+        return self._per_model(lm, "quantized batching", lambda: self.group.on_every_rank(
+            supports_quantized_batching(lm.model, self.cli_args.kv_group_size)))
 
     def is_batchable(self, lm, request, args) -> bool:
         """Whether a request joins its model's batch (else the sequential
@@ -73,9 +78,7 @@ class ModelFacts:
             lm.is_batchable
             and (lm.draft_model is None or self.drafts_in_batch(lm))
             and (args.seed is None or batches_seeded(args.sampling))
-            and (cli_args.kv_bits is None
-                 or self._per_model(lm, "quantized batching", lambda: self.group.on_every_rank(
-                     supports_quantized_batching(lm.model, cli_args.kv_group_size))))
+            and (cli_args.kv_bits is None or self.batches_quantized(lm))
             and (not own_vision(lm) or not (
                 request.request_type == "chat" and any(image_parts(request.messages))))
         )

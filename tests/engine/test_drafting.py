@@ -257,6 +257,23 @@ def test_a_draft_that_cannot_propose_here_keeps_the_sequential_path(fixture_path
         runner.close()
 
 
+def test_a_draft_under_kv_bits_the_model_cannot_batch_keeps_the_sequential_path(
+        fixture_path):
+    """--kv-bits on a model whose head dim --kv-group-size does not divide
+    (the fixture's 16): its requests are served one at a time, and there
+    with the draft, as before."""
+    model = fixture_path("qwen3")
+    runner = EngineRunner(model, argv=["--kv-bits", "4"] + draft_argv(model))
+    try:
+        assert not runner.engine.facts.drafts_in_batch(runner.loaded)
+        served = runner.sequential
+        assert len(runner.run(chat("Alone, then.", max_tokens=4))[0]) == 4
+        assert runner.sequential == served + 1
+        assert runner.engine.sequential._draft(runner.loaded) is runner.loaded.draft_model
+    finally:
+        runner.close()
+
+
 def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(fixture_path, monkeypatch):
     """DraftRows alone, over random steps: rows proposing or not, kept
     counts at random, tokens gained between drafting steps (plain steps,

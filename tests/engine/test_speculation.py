@@ -48,11 +48,29 @@ def chat(text, **kw):
     return {"messages": [{"role": "user", "content": text}], **kw}
 
 
-def replies(runner, bodies, path="/v1/chat/completions"):
+def replies(runner, bodies, path="/v1/chat/completions", together=False):
     """Each request's (tokens, logprobs of those tokens, its context: the
     prompt, its speculation figures). Logprobs are asked for where a body
-    does not say (a token's logprob is 0.0 unless asked)."""
-    channels = [runner.submit({"logprobs": True, **b}, path=path) for b in bodies]
+    does not say (a token's logprob is 0.0 unless asked). `together`: the
+    engine's loop is held until every request is queued, so all are
+    admitted before the batch's first step, whatever this machine's timing
+    (one batch composition: under --kv-bits a row's numbers depend on it)."""
+    gate = threading.Event()
+    if together:
+        scheduler = runner.engine.scheduler
+        real_next = scheduler.next
+
+        def held():
+            gate.wait(60)
+            return real_next()
+
+        scheduler.next = held
+    try:
+        channels = [runner.submit({"logprobs": True, **b}, path=path) for b in bodies]
+    finally:
+        gate.set()
+        if together:
+            del scheduler.next  # (the class's again)
     out = []
     for channel in channels:
         tokens, logprobs, ctx = [], [], None
@@ -68,9 +86,10 @@ def replies(runner, bodies, path="/v1/chat/completions"):
     return out
 
 
-def run(runner, bodies, path="/v1/chat/completions"):
+def run(runner, bodies, path="/v1/chat/completions", together=False):
     """Each request's (tokens, logprobs of those tokens, prompt tokens)."""
-    return [(t, lp, list(ctx.prompt)) for t, lp, ctx in replies(runner, bodies, path)]
+    return [(t, lp, list(ctx.prompt))
+            for t, lp, ctx in replies(runner, bodies, path, together)]
 
 
 def assert_as_without(reference, got, runner):
@@ -444,12 +463,12 @@ def test_kv_bits_rows_propose(fixture_path, monkeypatch, start, together, drop):
     off, on = EngineRunner(path, argv=kv), EngineRunner(path, argv=kv + LOOKUP)
     try:
         bodies = MIXED[:together]
-        reference = run(off, bodies)
+        reference = run(off, bodies, together=True)
         if start:
             assert len(reference[0][2]) < start < len(reference[0][2]) + len(reference[0][0])
         Oracle(reference, corrupt=0.5, seed=3).install(monkeypatch)
         forced(monkeypatch, drop)
-        got = run(on, bodies)
+        got = run(on, bodies, together=True)
         assert_as_without(reference, got, on)
         assert on.sequential == 0
     finally:
