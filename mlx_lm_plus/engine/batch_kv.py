@@ -5,7 +5,7 @@ on, overwritten later), as BatchKVCache.finalize does for a right-padded
 prompt.
 
 Sliding-window layers (mlx-lm's BatchRotatingKVCache, as Gemma 3 and
-gpt-oss have) take both, right after a call of several positions
+gpt-oss's) take both, right after a call of several positions
 (`in_temporal_order` before it): the call leaves the window before its
 first position and its positions in the buffer, in order; what is trimmed is
 cut off the buffer, and what is rolled sits at its front, where the next
