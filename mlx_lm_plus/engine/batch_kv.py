@@ -4,8 +4,8 @@ row alike (trim_end) or rolled into the row's left padding (masked from then
 on, overwritten later), as BatchKVCache.finalize does for a right-padded
 prompt.
 
-Sliding-window layers (mlx-lm's BatchRotatingKVCache, as Gemma 3 and
-gpt-oss's) take both, right after a call of several positions
+Sliding-window layers (mlx-lm's BatchRotatingKVCache: Gemma 3's, gpt-oss's)
+take both, right after a call of several positions
 (`in_temporal_order` before it): the call leaves the window before its
 first position and its positions in the buffer, in order; what is trimmed is
 cut off the buffer, and what is rolled sits at its front, where the next
