@@ -20,7 +20,8 @@ ms for eight (a speculative check).
 
 The arithmetic is the fallback's: q * scale, scores against the keys, a
 boolean mask as MLX's finfo.min, an additive one added, softmax in float32,
-the values; results equal MLX's to float rounding (the exp is within 2 ulp,
+the values; results equal MLX's to float rounding (the exp is 8e-8 from
+float64's at most, in a standalone test over [-15, 5], and the softmax
 closer to float64's than MLX's). A row's numbers do not depend on the other
 rows of its call.
 
