@@ -93,14 +93,13 @@ class _Batch:
             **kv,
         )
         # Speculation (speculation.py), from the draft model or by prompt
-        # lookup: where the KV is plain or the recurrent layers tapped
-        # (rollback.py), and one process decides (under mx.distributed every
-        # rank would have to draw alike). A model with a draft is batched
-        # only where its draft can propose here (facts.drafts_in_batch).
+        # lookup, with any of these generators (each step checks only where
+        # its layers can be rolled back: speculation.speculates), where one
+        # process decides (under mx.distributed every rank would have to
+        # draw alike). A model with a draft is batched only where its draft
+        # can propose here (facts.drafts_in_batch).
         self.lookups = None
         if ((args.prompt_lookup_tokens or self.draft_model is not None)
-                and generator in (BatchGenerator, taps.TappingBatchGenerator,
-                                  QuantizedBatchGenerator)
                 and not self.host.group.is_distributed):
             self.lookups = speculation.install(
                 self.generator, self.draft_model,

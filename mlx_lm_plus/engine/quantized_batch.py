@@ -340,13 +340,12 @@ def widest_float_call(prompt_cache) -> Optional[int]:
     quantizes after the call at whose end a row holds quantized_kv_start
     tokens, and a check whose last positions reach it would attend its first
     ones in float where one-token steps would not. (None: no such layer.
-    Once quantized, a check attends quantized as those steps do.)"""
-    widest = None
-    for c in prompt_cache:
-        if isinstance(c, BatchQuantizedKVCache) and not c.quantized:
-            room = c.quantized_kv_start - 1 - max(c._lengths, default=0)
-            widest = room if widest is None else min(widest, room)
-    return widest
+    Once quantized, a check attends quantized as those steps do. A batch's
+    layers see the same calls: they quantize together, and the first says.)"""
+    layer = next((c for c in prompt_cache if isinstance(c, BatchQuantizedKVCache)), None)
+    if layer is None or layer.quantized:
+        return None
+    return layer.quantized_kv_start - 1 - max(layer._lengths, default=0)
 
 
 def from_layer(layer, *, group_size: int, kv_bits: int,
