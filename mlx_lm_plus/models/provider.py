@@ -210,8 +210,8 @@ class LoadedModel(UpstreamModelProvider):
         self.weights_float32 = grown is not None
         self.native_kernels = runs_native_kernels(model)
         if grown is not None:
-            decode = (", decode steps and RoPE on our kernels (mlx_lm_plus.native)"
-                      if self.native_kernels else "")
+            decode = (", decode steps, RoPE and attention's softmax on our kernels "
+                      "(mlx_lm_plus.native)" if self.native_kernels else "")
             logging.info(f"{model_path}: weights as float32 for the CPU's BLAS{decode} "
                          f"({grown / 1e6:+.0f} MB; --keep-quantized keeps them as they were)")
         return grown
