@@ -21,6 +21,19 @@ drafted positions past the fewest any draft row kept (a row that kept more
 feeds them again next step: the draft is the cheap model), so no position
 its row did not keep stays in a draft row's KV.
 
+Drafts of other layers (a small Qwen3.5 or Nemotron-H drafting for a large
+one, Gemma 3 270M for Gemma 3): the feeding call, rows right-padded, is
+tapped at every position where the draft has recurrent layers (taps.py, as a
+checking step is: rollback.StateTaps), and each row's state becomes the one
+after its own tokens, padding left out; each drafting call's states are
+kept as they are (no copy: a recurrent layer's arrays are replaced, never
+written into), and `settle` sets them back to those after the positions
+kept. A sliding window's one-token updates write over the window's oldest
+positions in place, so they can't be trimmed back: its layers are set back
+to their state before the drafting calls (kept aside, its arrays rebound so
+the calls write into copies), the whole draft's drafted positions dropped,
+and the kept ones fed again next step with the row's other new tokens.
+
 A row joining starts from the longest prefix of its prompt the draft's own
 prompt store holds (`DraftPrompts`: a row that leaves stores its draft KV
 there, so a conversation's next turn runs only its new tokens through the
@@ -36,10 +49,12 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, RotatingKVCache,
-                                  make_prompt_cache)
+from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache,
+                                  RotatingKVCache, make_prompt_cache)
 
-from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, roll_into_padding
+from mlx_lm_plus.engine import taps
+from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, in_temporal_order, roll_into_padding
+from mlx_lm_plus.engine.rollback import StateTaps
 
 # Most tokens a draft row feeds in one drafting step: a row behind by more
 # (it waited many steps) catches up over several and proposes once caught
@@ -69,19 +84,20 @@ def _span(tokens: Tokens, start: int, stop: int) -> List[int]:
     return out
 
 
-def drafts_in_batch(model, draft, tapped: bool) -> bool:
-    """Whether `draft` can propose for `model`'s batch: the draft's layers
-    plain KV (rolled back per row by trimming and rolling), the model's
-    plain KV or sliding windows (batch_kv.py) or, where its recurrent mixers
-    are `tapped` (taps.py), recurrent (rollback.py)."""
-    def kinds(m):
+def drafts_in_batch(model, draft, tapped: bool, draft_tapped: bool) -> bool:
+    """Whether `draft` can propose for `model`'s batch: each model's layers
+    plain KV (rolled back per row by trimming and rolling), sliding windows
+    (batch_kv.py; a draft's set back, see the module doc) or, where its
+    recurrent mixers are tapped (`tapped`, `draft_tapped`: taps.py),
+    recurrent (rollback.py)."""
+    def fits(m, is_tapped):
         try:
-            return {type(c) for c in make_prompt_cache(m)}
+            layers = {type(c) for c in make_prompt_cache(m)}
         except Exception:
-            return {None}
-    layers = kinds(model)
-    return kinds(draft) == {KVCache} and layers <= {KVCache, RotatingKVCache, ArraysCache} \
-        and bool(layers) and (tapped or ArraysCache not in layers)
+            return False
+        return bool(layers) and layers <= {KVCache, RotatingKVCache, ArraysCache} \
+            and (is_tapped or ArraysCache not in layers)
+    return fits(model, tapped) and fits(draft, draft_tapped)
 
 
 class DraftPrompts:
@@ -129,7 +145,16 @@ class DraftRows:
         self.chunk = chunk
         self.prompts = prompts
         self.cost = cost  # (a StepCost) seconds of drafting by tokens drafted
-        self.cache: Optional[List[BatchKVCache]] = None
+        self.cache: Optional[List[Any]] = None  # (a batch cache of each layer's kind)
+        kinds = {type(c) for c in make_prompt_cache(model)}
+        # (Recurrent layers: their feeding calls tapped, facts.drafts_in_batch.)
+        self.recorder = taps.install_for_checking(model) if ArraysCache in kinds else None
+        self.windows = RotatingKVCache in kinds
+        # Of the drafting step being checked: each recurrent layer's arrays
+        # after each drafted position fed (0: none), each sliding window's
+        # state before them.
+        self._states: List[List[List[Any]]] = []
+        self._windows: List[tuple] = []
         self.order: List[int] = []  # the uid of each draft row
         self.fed: List[int] = []  # per draft row: its row's tokens in its KV
         # Rows catching up alone: uid -> [their draft cache, tokens in it].
@@ -182,7 +207,7 @@ class DraftRows:
                 self.joining[uid][1] = stop
                 continue
             del self.joining[uid]
-            joined = [BatchKVCache.merge([c]) for c in cache]
+            joined = [type(c).merge([c]) for c in cache]
             if self.cache is None:
                 self.cache = joined
             else:
@@ -225,12 +250,16 @@ class DraftRows:
 
     def _store(self, cache: List[Any], fed: int, tokens: Tokens):
         """A leaving row's draft KV (`fed` of its tokens; its pending token
-        too once fed, not among `tokens`: cut off) into the draft's store."""
+        too once fed, not among `tokens`: cut off) into the draft's store.
+        (Not where that would cut a recurrent state or a sliding window:
+        neither can be cut back.)"""
         held = min(fed, _length(tokens))
-        if not held:
+        plain = all(isinstance(c, KVCache) for c in cache)
+        if not held or (held < fed and not plain):
             return
-        for c in cache:
-            c.trim(c.offset - held)
+        if plain:
+            for c in cache:
+                c.trim(c.offset - held)
         self.prompts.put(_span(tokens, 0, held), cache)
 
     def propose(self, uids: List[int], tokens: List[Tokens], pending: mx.array,
@@ -277,26 +306,57 @@ class DraftRows:
         is_pending = mx.arange(wide)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, pending[:, None].astype(mx.uint32),
                           mx.array(ids, dtype=mx.uint32))
-        logits = self.model(inputs, cache=self.cache)
+        padding = [wide - f for f in feeds]
+        in_temporal_order(self.cache)
+        state_taps = None
+        if self.recorder is not None and any(padding):
+            state_taps = StateTaps(self.recorder, self.cache, wide)
+            state_taps.open()
+        try:
+            logits = self.model(inputs, cache=self.cache)
+        finally:
+            if state_taps is not None:
+                state_taps.close()
         last = mx.array([f - 1 for f in feeds])[:, None, None]
         token = self._greedy(mx.take_along_axis(logits, last, axis=1)[:, 0, :])
-        padding = [wide - f for f in feeds]
         if any(padding):  # (drafted tokens follow each row's own)
-            roll_into_padding(self.cache, padding)
+            roll_into_padding([c for c in self.cache if not isinstance(c, ArraysCache)],
+                              padding)
+            if state_taps is not None:  # (each row's state after its own tokens)
+                state_taps.restore(feeds)
         for j in range(rows):
             self.fed[j] += feeds[j]
         if not width:  # (only catching up)
             mx.eval([c.state for c in self.cache])
             return [[] for _ in range(rows)]
         drafted = [token]
+        if width > 1:
+            self._set_aside()
         for _ in range(width - 1):
             logits = self.model(token[:, None], cache=self.cache)
             token = self._greedy(logits[:, -1, :])
             drafted.append(token)
+            self._states.append(self._recurrent())
         drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
         self._drafted = width
         self.cost.observe(width, time.perf_counter() - tic)
         return [drafted[j][:lengths[j]] if drafting[j] else [] for j in range(rows)]
+
+    def _recurrent(self) -> List[List[Any]]:
+        return [list(c.cache) for c in self.cache if isinstance(c, ArraysCache)]
+
+    def _set_aside(self):
+        """Before the drafting calls: the recurrent states (kept as they
+        are), each sliding window's state, its arrays rebound so that the
+        calls' in-place writes go to copies (mlx arrays written in place
+        change for every holder)."""
+        self._states = [self._recurrent()]
+        self._windows = []
+        for c in self.cache:
+            if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
+                self._windows.append((c, c.state))
+                c.keys, c.values = c.keys[...], c.values[...]
+                c.left_padding, c.offset = c.left_padding[...], c.offset[...]
 
     def _greedy(self, logits: mx.array) -> mx.array:
         return mx.argmax(logits[:, :self.vocab] if self.vocab else logits, axis=-1)
@@ -306,12 +366,21 @@ class DraftRows:
         drafted positions (inputs: all drafted tokens but the last) past
         the fewest any draft row kept are trimmed from every draft row."""
         fed_drafts = self._drafted - 1  # (the last drafted token was not fed)
-        self._drafted = 0
+        states, windows = self._states, self._windows
+        self._drafted, self._states, self._windows = 0, [], []
         if fed_drafts <= 0 or not self.cache:
             return
         at = {uid: i for i, uid in enumerate(uids)}
         valid = min(min(kept[at[uid]], fed_drafts) if proposing else 0
                     for uid, proposing in zip(self.order, self._proposing))
+        if windows:  # (set back to before the drafting calls: module doc)
+            valid = 0
+            for c, state in windows:
+                c.state = state
+        recurrent = iter(states[valid]) if states else None
         for c in self.cache:
-            c.trim(fed_drafts - valid)
+            if isinstance(c, ArraysCache):
+                c.cache = next(recurrent)
+            elif not isinstance(c, BatchRotatingKVCache):
+                c.trim(fed_drafts - valid)
         self.fed = [f + valid for f in self.fed]

@@ -216,19 +216,24 @@ def test_sampled_rows_keep_their_distribution_with_a_draft(fixture_path, monkeyp
     assert_same_distribution(counts)
 
 
-@pytest.mark.parametrize("kind,argv", [
-    ("qwen3_5", []), ("nemotron_h", []), ("gemma3_text", []),
-    ("qwen3_kv", ["--kv-bits", "4", "--quantized-kv-start", "0"])])
-def test_a_hybrid_model_drafts_in_the_batch(kind, argv, fixture_path, monkeypatch):
+@pytest.mark.parametrize("kind,argv,draft", [
+    ("qwen3_5", [], "qwen3"), ("nemotron_h", [], "qwen3"), ("gemma3_text", [], "qwen3"),
+    ("qwen3_kv", ["--kv-bits", "4", "--quantized-kv-start", "0"], "qwen3"),
+    ("qwen3", [], "qwen3_5"), ("qwen3", [], "gemma3_text"), ("qwen3_5", [], "nemotron_h"),
+    ("gemma3_text", [], "gemma3_text")])
+def test_a_hybrid_model_drafts_in_the_batch(kind, argv, draft, fixture_path, monkeypatch):
     """A hybrid model (recurrent states rolled back from taps, rollback.py),
     one with sliding windows (Gemma 3's, batch_kv.py) or a quantized KV
-    (--kv-bits, quantized_batch.py) with an attention draft: eight rows in
+    (--kv-bits, quantized_batch.py) with an attention draft, and drafts
+    that are hybrid (their states set back per row, drafting.py) or have
+    sliding windows (set back before their drafting calls): eight rows in
     the batch, rolled or carried as they reject, write what they write
-    without a draft."""
+    without a draft, all in the batch."""
     model = fixture_path(kind)
     off = EngineRunner(model, argv=argv)
-    on = EngineRunner(model, argv=argv + draft_argv(fixture_path("qwen3")))
+    on = EngineRunner(model, argv=argv + draft_argv(fixture_path(draft)))
     try:
+        assert on.engine.facts.drafts_in_batch(on.loaded)
         checked_always(monkeypatch)
         bodies = MIXED
         reference = run(off, bodies)
@@ -243,18 +248,32 @@ def test_a_hybrid_model_drafts_in_the_batch(kind, argv, fixture_path, monkeypatc
         on.close()
 
 
-def test_a_draft_that_cannot_propose_here_keeps_the_sequential_path(fixture_path):
-    """A hybrid model's draft (its recurrent state is not rolled back here):
-    the model's requests take upstream's sequential path, as before."""
-    model = fixture_path("qwen3")
-    runner = EngineRunner(model, argv=draft_argv(fixture_path("qwen3_5")))
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h", "gemma3_text"])
+def test_a_hybrid_or_windowed_draft_that_is_the_model_is_kept_nearly_always(
+        kind, fixture_path, monkeypatch):
+    """The model as its own draft, where it has recurrent layers or sliding
+    windows: its proposals are the model's argmax wherever the draft holds
+    exactly each row's tokens (a state not set back, set back to the wrong
+    position, a row's state taken after its padding, a window's positions
+    lost or kept twice would show as rejections), rows of different lengths
+    (right-padded in the draft's feeding calls) rejecting at different
+    places (a logit_bias row)."""
+    model = fixture_path(kind)
+    off = EngineRunner(model)
+    on = EngineRunner(model, argv=draft_argv(model))
     try:
-        assert not runner.engine.facts.drafts_in_batch(runner.loaded)
-        served = runner.sequential
-        assert len(runner.run(chat("Alone, then.", max_tokens=4))[0]) == 4
-        assert runner.sequential == served + 1
+        checked_always(monkeypatch)
+        bodies = [chat(f"Tell me story number {i} about the sea" + " and the hills" * i,
+                       max_tokens=40 + 5 * i) for i in range(5)]
+        reference = run(off, bodies)
+        got = run(on, bodies)
+        assert [t for t, _, _ in got] == [t for t, _, _ in reference]
+        proposed, accepted, steps = figures(on)
+        assert on.sequential == 0 and steps > 10
+        assert accepted >= 0.9 * proposed, (proposed, accepted)
     finally:
-        runner.close()
+        off.close()
+        on.close()
 
 
 def test_a_draft_under_kv_bits_the_model_cannot_batch_keeps_the_sequential_path(
