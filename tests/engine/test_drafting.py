@@ -430,6 +430,55 @@ def test_the_draft_kv_holds_exactly_the_tokens_each_row_has_fed(kind, fixture_pa
     assert proposed > 20 and caught_up >= 4 and len(prompts.put_calls) >= (2 if kind == "qwen3" else 1)
 
 
+def test_a_windowed_draft_feeds_a_short_row_beside_a_wrapped_one(fixture_path):
+    """A Gemma 3 draft (32-token windows): a long row whose window wrapped
+    in one-token feeds beside a short, left-padded row, then a feeding call
+    of several positions for the short one (it gained tokens) and one for
+    the long one (right-padded), then drafting and a check that keeps
+    some: each row's window is the one a fresh prefill of its tokens ends
+    with (the buffer is put in order before the call: mlx-lm's mask reads
+    a wrapped buffer's front from its write index and would cut the short
+    row's oldest position), and its left padding, written in place by the
+    drafting calls, is set back with the window."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    model, _ = load(str(fixture_path("gemma3_text")))
+    draft = drafting.DraftRows(model, chunk=64, cost=speculation.DraftCost())
+    rows = [[(7 * i) % 500 + 3 for i in range(40)], [11, 12, 13]]
+    uids = [1, 2]
+    draft.extend(uids, rows, [True, True])
+    for _ in range(3):  # (both join: caught up)
+        draft.catch_up(uids, [(r, []) for r in rows])
+    assert draft.order == uids
+
+    def step(lengths, pending, kept):
+        proposals = draft.propose(uids, [(r, []) for r in rows],
+                                  mx.array(pending, dtype=mx.uint32), lengths)
+        draft.settle(uids, kept)
+        for r, p, d, k in zip(rows, pending, proposals, kept):
+            r.extend([p] + d[:k])
+
+    for n in range(6):  # (one-token feeds: the long row's window wraps)
+        step([0, 0], [20 + n, 40 + n], [0, 0])
+    rows[1].extend([61, 62])  # (the short row gained tokens: a wider call)
+    step([3, 3], [70, 71], [2, 1])
+    step([2, 2], [80, 81], [0, 2])
+
+    for j, row in enumerate(rows):
+        fed = draft.fed[j]
+        assert fed <= len(row)
+        want = make_prompt_cache(model)
+        model(mx.array(row[:fed])[None], cache=want)
+        got = [c.extract(j) for c in draft.cache]
+        for w, g in zip(want, got):
+            n = min(fed, w.max_size - 1) if isinstance(w, RotatingKVCache) else fed
+            a = np.array(g._temporal_order(g.keys) if isinstance(w, RotatingKVCache)
+                         else g.keys[..., :fed, :])
+            np.testing.assert_allclose(a[..., -n:, :], np.array(w.keys[..., fed - n:fed, :]),
+                                       atol=1e-4)
+
+
 def test_a_conversation_prefills_only_its_new_tokens_through_the_draft(runners, monkeypatch):
     """A row's draft KV is stored when it leaves (under a key of its own in
     the prompt store) and the next turn starts from it: the draft prefills
