@@ -148,7 +148,8 @@ class DraftRows:
         self.cache: Optional[List[Any]] = None  # (a batch cache of each layer's kind)
         kinds = {type(c) for c in make_prompt_cache(model)}
         # (Recurrent layers: their feeding calls tapped, facts.drafts_in_batch.)
-        self.recorder = taps.install_for_checking(model) if ArraysCache in kinds else None
+        self.recorder = (taps.install_for_checking(model, prompts=False)
+                         if ArraysCache in kinds else None)
         self.windows = RotatingKVCache in kinds
         # Of the drafting step being checked: each recurrent layer's arrays
         # after each drafted position fed (0: none), each sliding window's

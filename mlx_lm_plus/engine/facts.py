@@ -58,7 +58,7 @@ class ModelFacts:
             and drafts_in_batch(
                 lm.model, lm.draft_model,
                 tapped=taps.install_for_checking(lm.model) is not None,
-                draft_tapped=taps.install_for_checking(lm.draft_model) is not None)))
+                draft_tapped=taps.install_for_checking(lm.draft_model, prompts=False) is not None)))
 
     def batches_quantized(self, lm) -> bool:
         """Whether `lm`'s --kv-bits requests batch (quantized_batch.py)."""

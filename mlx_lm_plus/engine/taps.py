@@ -168,14 +168,16 @@ def install(model) -> Optional[Recorder]:
     return recorder
 
 
-def install_for_checking(model) -> Optional[Recorder]:
+def install_for_checking(model, prompts: bool = True) -> Optional[Recorder]:
     """Taps for speculation's checking steps (rollback.py), which cut each
     recurrent mixer's part of a call at every position: one token a piece,
     the call a plain decode step makes, so they need no probe. The prompt
-    recorder where `install` made one; else one of their own (mamba2's
-    chunked scan, whose pieces of a prompt the probe refused: its prompt
-    chunks stay whole). None: no recurrent layer, or layers of other kinds."""
-    recorder = install(model)
+    recorder where `install` made one (`prompts`: not for a draft model,
+    whose prompts are not cut at checkpoints); else one of their own
+    (mamba2's chunked scan, whose pieces of a prompt the probe refused: its
+    prompt chunks stay whole). None: no recurrent layer, or layers of
+    other kinds."""
+    recorder = install(model) if prompts else None
     if recorder is not None:
         return recorder
     if hasattr(model, "_check_recorder"):
