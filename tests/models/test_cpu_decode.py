@@ -92,25 +92,28 @@ def test_the_kernel_equals_the_dequantized_product(bits, group_size, dtype):
 
 
 @needs_kernels
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_does_not_depend_on_its_batch(bits):
+    """Every count of rows (each up to 8 compiled apart, more in one loop)
+    gives each row the numbers it gets alone, bit for bit."""
     w = mx.random.normal((4096, 512))  # (large enough to be split over threads)
-    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
     x = mx.random.normal((16, 512))
-    together = kernels.quantized_matvec(x, wq, scales, biases, 64, 4)
-    for rows in (1, 2, 5, 16):
+    together = kernels.quantized_matvec(x, wq, scales, biases, 64, bits)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16):
+        part = kernels.quantized_matvec(x[:rows], wq, scales, biases, 64, bits)
         for r in range(rows):
-            alone = kernels.quantized_matvec(x[r : r + 1], wq, scales, biases, 64, 4)
-            part = kernels.quantized_matvec(x[:rows], wq, scales, biases, 64, 4)
-            assert mx.array_equal(alone[0], part[r]).item()
+            alone = kernels.quantized_matvec(x[r : r + 1], wq, scales, biases, 64, bits)
+            assert mx.array_equal(alone[0], part[r]).item(), (rows, r)
             assert mx.array_equal(alone[0], together[r]).item()
     # (Leading dimensions are rows too: a (batch, 1, K) decode input.)
-    shaped = kernels.quantized_matvec(x[:4, None, :], wq, scales, biases, 64, 4)
+    shaped = kernels.quantized_matvec(x[:4, None, :], wq, scales, biases, 64, bits)
     assert shaped.shape == (4, 1, 4096)
     assert mx.array_equal(shaped[:, 0], together[:4]).item()
     # Split over threads (MLX_LM_PLUS_KERNEL_THREADS), the same numbers.
     kernels.set_threads(2)
     try:
-        split = kernels.quantized_matvec(x, wq, scales, biases, 64, 4)
+        split = kernels.quantized_matvec(x, wq, scales, biases, 64, bits)
     finally:
         kernels.set_threads(1)
     assert mx.array_equal(split, together).item()
