@@ -49,6 +49,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache,
                                   RotatingKVCache, make_prompt_cache)
 
@@ -264,13 +265,16 @@ class DraftRows:
         self.prompts.put(_span(tokens, 0, held), cache)
 
     def propose(self, uids: List[int], tokens: List[Tokens], pending: mx.array,
-                lengths: List[int]) -> List[List[int]]:
+                lengths: List[int], grammars: Optional[List[Any]] = None
+                ) -> List[List[int]]:
         """Each batch row's proposals (lengths[i] of them, 0: none; the
         longest drafted for every proposing draft row). tokens[i]: the row's
         tokens but its pending one (in its KV, then carried); pending: the
-        pending tokens (an array, one per batch row). Every draft row feeds
-        what it has not seen (so that rows stay alike); one still behind
-        after that proposes nothing."""
+        pending tokens (an array, one per batch row); grammars[i]: the
+        row's ConstraintProcessor or None (its draft then drafts, greedily,
+        what the grammar allows: draft_walk). Every draft row feeds what it
+        has not seen (so that rows stay alike); one still behind after that
+        proposes nothing."""
         none = [[] for _ in uids]
         if not self.order:
             self._drafted, self._proposing = 0, []
@@ -278,12 +282,14 @@ class DraftRows:
         at = {uid: i for i, uid in enumerate(uids)}
         rows = [at[uid] for uid in self.order]  # (KeyError: a row the batch lost)
         drafts = self._draft([tokens[b] for b in rows], pending[mx.array(rows)],
-                             [lengths[b] for b in rows])
+                             [lengths[b] for b in rows],
+                             [grammars[b] for b in rows] if grammars else None)
         for b, d in zip(rows, drafts):
             none[b] = d
         return none
 
-    def _draft(self, tokens: List[Tokens], pending, lengths) -> List[List[int]]:
+    def _draft(self, tokens: List[Tokens], pending, lengths,
+               grammars: Optional[List[Any]] = None) -> List[List[int]]:
         """propose(), over the draft rows."""
         tic, rows = time.perf_counter(), len(tokens)
         cap = max(1, min(CATCH_UP_MAX, MAX_POSITIONS // rows))
@@ -319,7 +325,7 @@ class DraftRows:
             if state_taps is not None:
                 state_taps.close()
         last = mx.array([f - 1 for f in feeds])[:, None, None]
-        token = self._greedy(mx.take_along_axis(logits, last, axis=1)[:, 0, :])
+        first = mx.take_along_axis(logits, last, axis=1)[:, 0, :]
         if any(padding):  # (drafted tokens follow each row's own)
             roll_into_padding([c for c in self.cache if not isinstance(c, ArraysCache)],
                               padding)
@@ -330,18 +336,56 @@ class DraftRows:
         if not width:  # (only catching up)
             mx.eval([c.state for c in self.cache])
             return [[] for _ in range(rows)]
-        drafted = [token]
-        if width > 1:
-            self._set_aside()
-        for _ in range(width - 1):
-            logits = self.model(token[:, None], cache=self.cache)
-            token = self._greedy(logits[:, -1, :])
-            drafted.append(token)
-            self._states.append(self._recurrent())
-        drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
+        # Rows with a grammar: each drafted position masked as the grammar
+        # would mask it there (its walk from the pending token on), a row's
+        # drafting cut where its grammar stops it; rolled back after.
+        vocab = self.vocab or first.shape[-1]
+        walks = [g.draft_walk(vocab) if g is not None and drafting[j] else None
+                 for j, g in enumerate(grammars or [None] * rows)]
+        limits = [n if d else 0 for n, d in zip(lengths, drafting)]
+        try:
+            if any(walks):
+                pending_ids = pending.tolist()
+                first = self._masked(first, walks, pending_ids, limits, 0)
+            token = self._greedy(first)
+            drafted = [token]
+            if width > 1:
+                self._set_aside()
+            for s in range(1, width):
+                logits = self.model(token[:, None], cache=self.cache)[:, -1, :]
+                if any(walks):  # (the token just drafted, to walk the grammar on)
+                    logits = self._masked(logits, walks, token.tolist(), limits, s)
+                token = self._greedy(logits)
+                drafted.append(token)
+                self._states.append(self._recurrent())
+            drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
+        finally:
+            for walk in walks:
+                if walk is not None:
+                    walk.close()
         self._drafted = width
         self.cost.observe(width, time.perf_counter() - tic)
-        return [drafted[j][:lengths[j]] if drafting[j] else [] for j in range(rows)]
+        return [drafted[j][:limits[j]] for j in range(rows)]
+
+    def _masked(self, logits: mx.array, walks, last: List[int], limits: List[int],
+                drafted: int) -> mx.array:
+        """The draft rows' logits at their next drafted position (`drafted`
+        drafted before it), each walking row's masked by its grammar after
+        `last[j]`, its pending or last drafted token. A row whose walk
+        stops drafts no further (limits[j]: what it keeps)."""
+        logits = logits[:, :self.vocab] if self.vocab else logits
+        keep = None
+        for j, walk in enumerate(walks):
+            if walk is None or walk.stopped or drafted >= limits[j]:
+                continue
+            allowed = walk.after(last[j])
+            if allowed is None or not allowed.any():  # (none it can draft)
+                limits[j] = drafted
+                continue
+            if keep is None:
+                keep = np.ones(logits.shape, dtype=bool)
+            keep[j] = allowed
+        return logits if keep is None else mx.where(mx.array(keep), logits, -mx.inf)
 
     def _recurrent(self) -> List[List[Any]]:
         return [list(c.cache) for c in self.cache if isinstance(c, ArraysCache)]

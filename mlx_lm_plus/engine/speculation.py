@@ -292,8 +292,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # that step's time, not this one's.)
         if self.draft is not None and any(proposals):
             mx.eval(self._next_tokens)
-            proposals = self.draft.propose(self.uids, self._row_tokens(), self._next_tokens,
-                                           list(map(len, proposals)))
+            proposals = self.draft.propose(
+                self.uids, self._row_tokens(), self._next_tokens, list(map(len, proposals)),
+                [next((q for q in procs or () if hasattr(q, "draft_walk")), None)
+                 for procs in processors])
             if not any(proposals):  # (only caught up: not a plain step's time)
                 self.after_check = True
         if not any(proposals) and not self.carried:

@@ -225,6 +225,16 @@ class ConstraintProcessor:
             return 0, None
         return checked, _allowed(bitmask[:checked], vocab)
 
+    def draft_walk(self, vocab: int) -> Optional["DraftWalk"]:
+        """The grammar walked along a draft model's tokens, so that the
+        draft drafts what the grammar allows (drafting.py); None where no
+        mask applies now (strict tools' free text: the draft drafts freely,
+        proposal_masks cuts at the call's opening) or none may be proposed
+        (thinking, complete, failed). `vocab`: the draft's logits' width."""
+        if self.error is None and self.state == _ACTIVE and not self.matcher.is_stopped():
+            return DraftWalk(self, vocab)
+        return None
+
     def _first(self, context) -> str:
         """The first call: the prompt sets the thinking state."""
         if self.after_think:
@@ -318,6 +328,45 @@ class ConstraintProcessor:
             "mask_seconds": self.mask_seconds,
             "mask_ms_per_step": 1e3 * self.mask_seconds / self.steps if self.steps else 0.0,
         }
+
+
+class DraftWalk:
+    """A grammar walked ahead along a draft's tokens, before the check
+    (ConstraintProcessor.draft_walk), from the state mask_batch left: the
+    row's pending token (sampled under that mask), then each drafted one.
+    `after(token)` consumes it and gives the allowed ids at the position
+    after it ([vocab] bool), or None from where drafting must stop: a token
+    the grammar refuses, or one that completes it or closes a strict tool
+    call (proposal_masks cuts there too). `close()` rolls back everything
+    consumed (llguidance), leaving the grammar as it was."""
+
+    def __init__(self, processor: ConstraintProcessor, vocab: int):
+        self.processor = processor
+        self.vocab = vocab
+        self.consumed = 0
+        self.stopped = False
+        self._row = np.zeros((1, processor._words), dtype=np.int32)
+
+    def after(self, token: int) -> Optional[np.ndarray]:
+        p = self.processor
+        matcher = p.matcher
+        # (An id past the tokenizer's puts the matcher in error even to
+        # validate: proposal_masks cuts it the same way.)
+        if self.stopped or not 0 <= token < p.ll.vocab_size \
+                or matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
+            self.stopped = True
+            return None
+        self.consumed += 1
+        if matcher.is_stopped() or (p._trigger is not None and matcher.is_accepting()):
+            self.stopped = True
+            return None
+        matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
+        return _allowed(self._row, self.vocab)[0]
+
+    def close(self):
+        if self.consumed and not self.processor.matcher.rollback(self.consumed):
+            self.processor._fail()  # (can't be trusted from here: as proposal_masks)
+        self.consumed, self.stopped = 0, True
 
 
 @dataclass

@@ -674,3 +674,33 @@ def test_rows_with_a_grammar_check_a_draft_s_proposals_exactly(runners, monkeypa
         assert tokens == want, body
         np.testing.assert_allclose(lp, want_lp, atol=2e-4)
     assert any(f and f["accepted"] for _, _, f in got[:3]), [f for _, _, f in got]
+
+
+def test_a_draft_drafts_what_the_grammar_allows(runners, monkeypatch):
+    """Another random model as the draft (its own argmax knows nothing of
+    JSON): rows with a schema that runs past max_tokens and a forced tool
+    call, the draft walking their grammars as it drafts (draft_walk), so
+    the check never cuts a drafted proposal for the grammar (a free draft's
+    were cut to nothing at every check here), the rows keep some (where
+    the grammar leaves one token, the draft drafts it), and the text and
+    logprobs are those without a draft (each walk rolled back: the grammar
+    as it was)."""
+    off, _, other = runners
+    checked_always(monkeypatch)
+    bodies = [GRAMMARS[0], GRAMMARS[2], chat("A plain row beside them.", max_tokens=30)]
+    cuts = []
+    real = speculation.checked_proposal
+
+    def checked(processors, proposal, vocab):
+        n, keep = real(processors, proposal, vocab)
+        cuts.append((len(proposal), n))
+        return n, keep
+
+    monkeypatch.setattr(speculation, "checked_proposal", checked)
+    reference = run(off, bodies)
+    got = run_with_figures(other, bodies)
+    for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
+        assert tokens == want, body
+        np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+    assert len(cuts) >= 5 and all(n == made for made, n in cuts), cuts
+    assert all(f and f["accepted"] for _, _, f in got[:2]), [f for _, _, f in got]
