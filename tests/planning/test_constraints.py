@@ -545,3 +545,57 @@ def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen
     assert cuts == {True, False}
     # Left as it was: fed the rest one a step, the same masks as the plain path.
     assert proc.error is None and not proc.matcher.is_error()
+
+
+@pytest.mark.parametrize("kind", ["strict", "schema", "forced"])
+def test_a_draft_walk_gives_each_position_s_mask_and_changes_nothing(qwen3, kind):
+    """At every point of a text, a draft's walk of the grammar (draft_walk)
+    from the pending token along the next tokens gives, at each position,
+    the mask a processor fed them one a step gives there; it stops where
+    the grammar completes or a strict call closes, gives None while the
+    model writes freely (strict tools before a call), and once closed
+    leaves the grammar as it was (every step's mask the plain path's)."""
+    _, tok = qwen3
+    vocab = 520
+    strict = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call>')
+    if kind == "strict":
+        grammar, text = grammar_for(StrictToolCalls(strict), tok), "Let me look. " + call + "\nDone."
+        prompt = prompt_of(tok, "x", tools=strict)
+    elif kind == "schema":
+        grammar = compile_response_format(schema_format(dict(SCHEMAS)["nested_address"]))
+        text = json.dumps(SAMPLES["nested_address"])
+        prompt = prompt_of(tok, "x")
+    else:
+        grammar = tool_call_grammar(TOOLS, "get_weather", tokenizer=tok)
+        text, prompt = call, prompt_of(tok, "x", tools=TOOLS)
+    tokens = tok.encode(text, add_special_tokens=False) + [sorted(tok.eos_token_ids)[0]]
+    want = _masks_along(grammar, tok, prompt, tokens, vocab)
+    proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
+    history, walked, free, stops = list(prompt), 0, 0, 0
+    for at, t in enumerate([None] + tokens[:-1]):
+        newest = history[-1] if t is None else t
+        if t is not None:
+            history.append(t)
+        mask = ConstraintProcessor.mask_batch([(0, proc, history[:-1], newest)], (1, vocab))
+        got = None if mask is None else mask.keep[0]
+        assert (got is None) == (want[at] is None) and (got is None or (got == want[at]).all())
+        walk = proc.draft_walk(vocab)
+        if walk is None:  # (free text, or the grammar complete: EOS only)
+            free += want[at + 1] is None
+            continue
+        for j, token in enumerate(tokens[at:at + 6]):
+            allowed = walk.after(token)
+            if allowed is None:
+                stops += 1
+                assert at + j + 1 == len(tokens) or want[at + j + 1] is None \
+                    or not want[at + j + 1][token], (kind, at, j)
+                break
+            walked += 1
+            assert want[at + j + 1] is not None and (allowed == want[at + j + 1]).all(), \
+                (kind, at, j)
+        walk.close()
+        assert proc.error is None and not proc.matcher.is_error()
+    assert walked > 20 and stops > 0
+    assert (free > 0) == (kind == "strict")
