@@ -14,7 +14,10 @@ rolled into their left padding, as BatchKVCache.finalize does after a
 right-padded prompt), then draws `width` tokens greedily, one call each.
 The proposals are the draft's argmax: a point mass, so speculation.py's
 check (kept with probability p(d), else a draw from p without d) keeps the
-model's distribution at any temperature, as for prompt lookup.
+model's distribution at any temperature, as for prompt lookup. A row with a
+grammar drafts the argmax among what its grammar allows at each position
+(ConstraintProcessor.draft_walk, rolled back after): what the check would
+mask away is never drafted.
 
 After the check (`settle`), every draft row is trimmed by one count: the
 drafted positions past the fewest any draft row kept (a row that kept more
