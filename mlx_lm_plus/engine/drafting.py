@@ -99,7 +99,10 @@ def drafts_in_batch(model, draft, tapped: bool, draft_tapped: bool) -> bool:
             layers = {type(c) for c in make_prompt_cache(m)}
         except Exception:
             return False
-        return bool(layers) and layers <= {KVCache, RotatingKVCache, ArraysCache} \
+        # (KV layers: a KVCache or one that stores as it does, windows of
+        # any RotatingKVCache class: a vision model's, vlm_text.py.)
+        return bool(layers) and all(k is ArraysCache or issubclass(k, RotatingKVCache)
+                                    or taps.holds_prefix(k) for k in layers) \
             and (is_tapped or ArraysCache not in layers)
     return fits(model, tapped) and fits(draft, draft_tapped)
 
@@ -154,7 +157,7 @@ class DraftRows:
         # (Recurrent layers: their feeding calls tapped, facts.drafts_in_batch.)
         self.recorder = (taps.install_for_checking(model, prompts=False)
                          if ArraysCache in kinds else None)
-        self.windows = RotatingKVCache in kinds
+        self.windows = any(issubclass(k, RotatingKVCache) for k in kinds)
         # Of the drafting step being checked: each recurrent layer's arrays
         # after each drafted position fed (0: none), each sliding window's
         # state before them.

@@ -49,11 +49,12 @@ class ModelFacts:
         (speculation.py, drafting.py): plain KV (quantized by --kv-bits
         where the model's requests batch: is_batchable), sliding windows or
         recurrent layers its checking steps tap (taps.install_for_checking),
-        a draft of the same kinds of layers (its recurrent ones tapped too),
-        a text model, the GenerationBatch it was written for, one process.
+        a draft of the same kinds of layers (its recurrent ones tapped too;
+        a vision model's text draft too), the GenerationBatch it was written
+        for, one process.
         Else its requests take the sequential path, as upstream's do."""
         return lm.draft_model is not None and self._per_model(lm, "drafts in batch", lambda: (
-            lm.processor is None and (self.cli_args.kv_bits is None or self.batches_quantized(lm))
+            (self.cli_args.kv_bits is None or self.batches_quantized(lm))
             and not self.group.is_distributed and generation_batch_as_written()
             and drafts_in_batch(
                 lm.model, lm.draft_model,

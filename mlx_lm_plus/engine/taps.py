@@ -200,7 +200,7 @@ def _cache_kinds(model) -> List[type]:
 def _tappable(kinds: List[type]) -> bool:
     """Recurrent layers beside layers holding a prefix of the sequence
     (rotating windows and chunked KV do not hold a prefix of the end)."""
-    return all(k is ArraysCache or _holds_prefix(k) for k in kinds)
+    return all(k is ArraysCache or holds_prefix(k) for k in kinds)
 
 
 def _tap(mixers, recorder: Recorder) -> List[type]:
@@ -212,7 +212,7 @@ def _tap(mixers, recorder: Recorder) -> List[type]:
     return originals
 
 
-def _holds_prefix(kind: type) -> bool:
+def holds_prefix(kind: type) -> bool:
     """A KVCache, or a subclass that stores and trims as it does (a vision
     model's MRopeKVCache, which only carries its M-RoPE delta along): its
     keys up to a position are the layer's cache at that position."""

@@ -44,13 +44,16 @@ def image_path(model_path, sequential: bool = False) -> Optional[str]:
 
 def served_image_path(key, sequential: bool, distributed: bool) -> Optional[str]:
     """`image_path` of a (path, adapter, draft) key: None (text) with an
-    adapter or a draft model; under mx.distributed "batched" for a family
-    whose language model splits across the ranks, None for the others."""
-    if key is None or key[1] is not None or key[2] is not None:
+    adapter; with a draft model "batched" where the family batches (its
+    draft proposes in the batch, engine/drafting.py), else None; under
+    mx.distributed "batched" for a family whose language model splits
+    across the ranks, None for the others (and with a draft)."""
+    if key is None or key[1] is not None:
         return None
     if distributed:
-        return "batched" if splits_across_ranks(key[0]) else None
-    return image_path(key[0], sequential)
+        return "batched" if key[2] is None and splits_across_ranks(key[0]) else None
+    path = image_path(key[0], sequential)
+    return path if key[2] is None or path == "batched" else None
 
 
 def loadable_fingerprint(model_path, pipeline: bool = False) -> int:

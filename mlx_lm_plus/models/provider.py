@@ -182,12 +182,15 @@ class LoadedModel(UpstreamModelProvider):
             model, tokenizer, processor = load_mlx_vlm_model(model_path)
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
-        self.model_key = (model_path, None, None)
+        self.model_key = (model_path, None, draft_model_path)
         self.model = model
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = processor.config
-        self.draft_model = None
+        # (A text draft of the language model's tokenizer: it reads an image
+        # row's placeholder tokens as the text they are; only batched.)
+        self.draft_model = (self._load_draft(draft_model_path, tokenizer, 0)
+                            if draft_model_path is not None else None)
         self.is_batchable = path == "batched"
         if path == "batched":
             logging.info(f"Loaded {model_path} as a vision-language model (mlx-vlm): "
@@ -200,6 +203,18 @@ class LoadedModel(UpstreamModelProvider):
                 "served through mlx-vlm's own generation: one request at a time, without "
                 "the prompt cache (batched vision: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, "
                 "Gemma 3, Idefics3, SmolVLM)")
+
+    def _load_draft(self, draft_model_path, tokenizer, grown: int):
+        """The draft model, its weights for the CPU within the room left
+        (`grown`: bytes the served model's weights grew by)."""
+        room = getattr(self, "room_for_weights", None)
+        draft_model, draft_tokenizer = upstream.load(draft_model_path)
+        weights_for_cpu(draft_model, self.cli_args.keep_quantized,
+                        None if room is None else room - grown)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            logging.warning("Draft model tokenizer does not match model tokenizer. "
+                            "Speculative decoding may not work as expected.")
+        return draft_model
 
     def _weights_for_cpu(self, model, model_path) -> Optional[int]:
         """cpu.weights_for_cpu, said in the log: float32 weights for the
@@ -262,18 +277,12 @@ class LoadedModel(UpstreamModelProvider):
                 return_config=True, trust_remote_code=self.cli_args.trust_remote_code)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        keep = self.cli_args.keep_quantized
-        room = getattr(self, "room_for_weights", None)
         # (Not under mx.distributed: mlx-lm's sharded layers are not the
         # quantized layers dequantize_model knows.)
         grown = None if self.is_distributed else self._weights_for_cpu(model, model_path)
         draft_model = None
         if draft_model_path is not None:
-            draft_model, draft_tokenizer = upstream.load(draft_model_path)
-            weights_for_cpu(draft_model, keep, None if room is None else room - (grown or 0))
-            if draft_tokenizer.vocab_size != tokenizer.vocab_size:
-                logging.warning("Draft model tokenizer does not match model tokenizer. "
-                                "Speculative decoding may not work as expected.")
+            draft_model = self._load_draft(draft_model_path, tokenizer, grown or 0)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model = model
         self.tokenizer = tokenizer

@@ -19,7 +19,7 @@ import pytest
 from mlx_lm_plus.engine import drafting, speculation
 from testkit.engine_harness import SEQUENTIAL, EngineRunner
 from tests.engine.test_speculation import (
-    GRAMMARS, MIXED, assert_same_distribution, chat, forced, run, run_with_figures,
+    GRAMMARS, MIXED, assert_same_distribution, chat, forced, replies, run, run_with_figures,
 )
 
 
@@ -706,3 +706,39 @@ def test_a_draft_drafts_what_the_grammar_allows(runners, monkeypatch):
         np.testing.assert_allclose(lp, want_lp, atol=2e-4)
     assert len(cuts) >= 5 and all(n == made for made, n in cuts), cuts
     assert all(f and f["accepted"] for _, _, f in got[:2]), [f for _, _, f in got]
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_5_vl", "gemma3_vl"])
+def test_a_vision_model_drafts_beside_images(kind, fixture_path, monkeypatch):
+    """A vision model (through mlx-vlm: Qwen2.5-VL's M-RoPE, Qwen3.5's
+    recurrent layers, Gemma 3's windows) with a text draft of its
+    tokenizer, its images served (before, a draft made it a text model):
+    rows with one and two images beside text rows, all in the batch, write
+    the text and logprobs they write without a draft; the draft reads an
+    image row's placeholder tokens as the text they are, and its proposals
+    for image rows are checked too."""
+    from tests.models.test_vision import BLUE, RED, image_part, user
+
+    model = fixture_path(kind)
+    off = EngineRunner(model)
+    on = EngineRunner(model, argv=draft_argv(fixture_path("qwen3")))
+    try:
+        assert on.engine.facts.drafts_in_batch(on.loaded)
+        checked_always(monkeypatch)
+        bodies = [{"messages": [user(image_part(RED), "Describe the picture.")], "max_tokens": 40},
+                  {"messages": [user(image_part(BLUE), "and", image_part(RED), "Compare.")],
+                   "max_tokens": 30},
+                  chat("Tell me about rivers and boats.", max_tokens=40),
+                  chat("Count the stations.", max_tokens=35, repetition_penalty=1.3)]
+        assert on.loaded.processor is not None  # (images served)
+        reference = run(off, bodies, together=True)
+        got = [(t, lp, getattr(ctx, "speculation", None))
+               for t, lp, ctx in replies(on, bodies, together=True)]
+        for (want, want_lp, _), (tokens, lp, f), body in zip(reference, got, bodies):
+            assert tokens == want, body
+            np.testing.assert_allclose(lp, want_lp, atol=2e-4)
+            assert f and f["proposed"] > 0, body  # (image rows too)
+        assert on.sequential == 0
+    finally:
+        off.close()
+        on.close()
