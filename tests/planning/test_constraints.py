@@ -488,17 +488,10 @@ def _masks_along(grammar, tok, prompt, tokens, vocab):
     return masks
 
 
-@pytest.mark.parametrize("kind", ["strict", "schema", "forced"])
-def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen3, kind):
-    """At every point of a text (free text, a strict tool call opened and
-    closed, free text again; a schema's JSON; a forced call), proposal_masks
-    of the next k tokens gives, for the first n, the masks a processor fed
-    them one a step gives; n stops at a refused token, before the grammar
-    completes, before a strict call opens or closes; the grammar is left as
-    it was (the next step's mask is unchanged); ids past the tokenizer's
-    cut the proposal without harming the row."""
-    _, tok = qwen3
-    vocab = 520  # (wider than the tokenizer: a draft's ids may run past it)
+def _walked_text(kind, tok):
+    """(grammar, prompt, the text's tokens then EOS) of free text around a
+    strict tool call ("strict"), a schema's JSON ("schema") or a forced
+    call ("forced")."""
     strict = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
     call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
             '"unit": "celsius"}}\n</tool_call>')
@@ -512,8 +505,22 @@ def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen
     else:
         grammar = tool_call_grammar(TOOLS, "get_weather", tokenizer=tok)
         text, prompt = call, prompt_of(tok, "x", tools=TOOLS)
-    tokens = tok.encode(text, add_special_tokens=False) + [tok.eos_token_ids and
-                                                          sorted(tok.eos_token_ids)[0]]
+    tokens = tok.encode(text, add_special_tokens=False) + [sorted(tok.eos_token_ids)[0]]
+    return grammar, prompt, tokens
+
+
+@pytest.mark.parametrize("kind", ["strict", "schema", "forced"])
+def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen3, kind):
+    """At every point of a text (free text, a strict tool call opened and
+    closed, free text again; a schema's JSON; a forced call), proposal_masks
+    of the next k tokens gives, for the first n, the masks a processor fed
+    them one a step gives; n stops at a refused token, before the grammar
+    completes, before a strict call opens or closes; the grammar is left as
+    it was (the next step's mask is unchanged); ids past the tokenizer's
+    cut the proposal without harming the row."""
+    _, tok = qwen3
+    vocab = 520  # (wider than the tokenizer: a draft's ids may run past it)
+    grammar, prompt, tokens = _walked_text(kind, tok)
     want = _masks_along(grammar, tok, prompt, tokens, vocab)
     proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
     history, cuts = list(prompt), set()
@@ -557,20 +564,7 @@ def test_a_draft_walk_gives_each_position_s_mask_and_changes_nothing(qwen3, kind
     leaves the grammar as it was (every step's mask the plain path's)."""
     _, tok = qwen3
     vocab = 520
-    strict = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
-    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-            '"unit": "celsius"}}\n</tool_call>')
-    if kind == "strict":
-        grammar, text = grammar_for(StrictToolCalls(strict), tok), "Let me look. " + call + "\nDone."
-        prompt = prompt_of(tok, "x", tools=strict)
-    elif kind == "schema":
-        grammar = compile_response_format(schema_format(dict(SCHEMAS)["nested_address"]))
-        text = json.dumps(SAMPLES["nested_address"])
-        prompt = prompt_of(tok, "x")
-    else:
-        grammar = tool_call_grammar(TOOLS, "get_weather", tokenizer=tok)
-        text, prompt = call, prompt_of(tok, "x", tools=TOOLS)
-    tokens = tok.encode(text, add_special_tokens=False) + [sorted(tok.eos_token_ids)[0]]
+    grammar, prompt, tokens = _walked_text(kind, tok)
     want = _masks_along(grammar, tok, prompt, tokens, vocab)
     proc = ConstraintProcessor(grammar, tok, after_think=True, prompt=prompt)
     history, walked, free, stops = list(prompt), 0, 0, 0
