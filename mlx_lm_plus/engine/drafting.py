@@ -53,12 +53,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache,
+from mlx_lm.models.cache import (ArraysCache, BatchRotatingKVCache, KVCache,
                                   RotatingKVCache, make_prompt_cache)
 
 from mlx_lm_plus.engine import taps
 from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, in_temporal_order, roll_into_padding
-from mlx_lm_plus.engine.rollback import StateTaps
+from mlx_lm_plus.engine.rollback import tapped_call
 
 # Most tokens a draft row feeds in one drafting step: a row behind by more
 # (it waited many steps) catches up over several and proposes once caught
@@ -321,15 +321,8 @@ class DraftRows:
                           mx.array(ids, dtype=mx.uint32))
         padding = [wide - f for f in feeds]
         in_temporal_order(self.cache)
-        state_taps = None
-        if self.recorder is not None and any(padding):
-            state_taps = StateTaps(self.recorder, self.cache, wide)
-            state_taps.open()
-        try:
-            logits = self.model(inputs, cache=self.cache)
-        finally:
-            if state_taps is not None:
-                state_taps.close()
+        logits, state_taps = tapped_call(self.model, inputs, self.cache, self.recorder,
+                                         self.recorder is not None and any(padding))
         last = mx.array([f - 1 for f in feeds])[:, None, None]
         first = mx.take_along_axis(logits, last, axis=1)[:, 0, :]
         if any(padding):  # (drafted tokens follow each row's own)

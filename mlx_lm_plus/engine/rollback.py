@@ -42,6 +42,21 @@ def widest(prompt_cache) -> Optional[int]:
     return 1 + STATE_BUDGET_BYTES // max(1, state)
 
 
+def tapped_call(model, inputs: mx.array, prompt_cache, recorder, tap: bool):
+    """model(inputs, cache=prompt_cache), each recurrent layer's states
+    after every position of the call kept where `tap` (StateTaps, its
+    width the call's); returns (logits, the taps or None)."""
+    taps = StateTaps(recorder, prompt_cache, inputs.shape[1]) if tap else None
+    if taps is not None:
+        taps.open()
+    try:
+        logits = model(inputs, cache=prompt_cache)
+    finally:
+        if taps is not None:
+            taps.close()
+    return logits, taps
+
+
 class StateTaps:
     """One checking step's recurrent states: each layer's arrays before the
     call, after each of its positions, and after it (`open` before the call,

@@ -347,15 +347,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         is_pending = mx.arange(width)[None, :] == mx.array(at)[:, None]
         inputs = mx.where(is_pending, self._next_tokens[:, None].astype(mx.uint32), known)
         in_temporal_order(self.prompt_cache)
-        taps = None
-        if self.recorder is not None and rollback.recurrent_layers(self.prompt_cache):
-            taps = rollback.StateTaps(self.recorder, self.prompt_cache, width)
-            taps.open()
-        try:
-            logits = self.model(inputs, cache=self.prompt_cache)
-        finally:
-            if taps is not None:
-                taps.close()
+        logits, taps = rollback.tapped_call(
+            self.model, inputs, self.prompt_cache, self.recorder,
+            self.recorder is not None and bool(rollback.recurrent_layers(self.prompt_cache)))
         pending = self._next_tokens.tolist()
         at_pending = mx.array(at)[:, None, None]
         pending_logits = mx.take_along_axis(logits, at_pending, axis=1)[:, 0, :]
