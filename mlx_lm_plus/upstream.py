@@ -106,6 +106,25 @@ _GENERATION_BATCH_SOURCES = {
     ("ArraysCache", "filter"): "32a1a2fa51781d15a9f1fcfa1d3d25a3b137b56ada9c1a3f68314718ed48248d",
     ("ArraysCache", "extract"): "9a02c24bbc0e5125e006f1e7124b9b006a9f40f27f0e3d067ff101051ddd1199",
     ("ArraysCache", "make_mask"): "8c9427ee13a0bfba86d0ec20b51a9d5fd746d146ef5cc7b95a8845f6b87b6601",
+    ("ArraysCache", "merge"): "ddf0151cf065e679c08d4906c9325c777389d684e53195f45e5cba6d180fe524",
+    # Sliding windows trimmed, rolled and put in order (batch_kv.py), and
+    # a draft's set aside (its one-token updates write in place) and
+    # restored, merged, extended and extracted (drafting.py).
+    ("BatchRotatingKVCache", "_update_in_place"):
+        "d93175cfdbeba9f82d9b1ade10db9608e9733fb8a0a3e10df20317d9bb591bff",
+    ("BatchRotatingKVCache", "_update_concat"):
+        "d3c0b179840f7267c8ca9c7b68cefec762241dc505fbc3bb427f6c0ce9d41af0",
+    ("BatchRotatingKVCache", "_temporal_order"):
+        "f3c9890fb5936905472084504df8b55d2d7aee88e7a8dc28871f26983d78e70e",
+    ("BatchRotatingKVCache", "merge"):
+        "6a0aee6e80cfff1c803b9a7b59619b418b702816e3cc0c24f8f2097c9c06ed1b",
+    ("BatchRotatingKVCache", "extend"):
+        "ea0fe885baf05f0386e67361423a2e919386151f55c799913355d9cf86cb23ec",
+    ("BatchRotatingKVCache", "extract"):
+        "afc13de65f6d3d3ae21cb6e79a0d148aca2fa95d2bb6a8abd50c67de50c3ca8d",
+    ("BatchRotatingKVCache", "trim"): "5b2cc3b88ce96aca2db7e534a5027f5733815c57587db7591d119853cb441ca0",
+    ("BatchRotatingKVCache", "make_mask"):
+        "ee6af6b6a2675bfd14d5a293392bdec0c738012c40eda1b27187d07597e6b43a",
     ("BatchGenerator", "_next"): "eb3a4e361dc2c19eafd28e901155828fd4602d63e26c431ca9ffbf079302c665",
     ("BatchGenerator", "remove"): "705e7de06f06d7dea6bdbcd762395e3216fd428f475e28fd51adac6c98c49dd7",
 }
@@ -119,10 +138,12 @@ def generation_batch_as_written() -> bool:
         import hashlib
 
         from mlx_lm.generate import BatchGenerator, GenerationBatch
-        from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer
+        from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache,
+                                          TokenBuffer)
 
         owners = {"GenerationBatch": GenerationBatch, "BatchKVCache": BatchKVCache,
                   "TokenBuffer": TokenBuffer, "ArraysCache": ArraysCache,
+                  "BatchRotatingKVCache": BatchRotatingKVCache,
                   "BatchGenerator": BatchGenerator}
         _as_written["result"] = all(
             hashlib.sha256(inspect.getsource(getattr(owners[owner], name)).encode())

@@ -56,9 +56,8 @@ import numpy as np
 from mlx_lm.models.cache import (ArraysCache, BatchRotatingKVCache, KVCache,
                                   RotatingKVCache, make_prompt_cache)
 
-from mlx_lm_plus.engine import taps
 from mlx_lm_plus.engine.batch_kv import MAX_POSITIONS, in_temporal_order, roll_into_padding
-from mlx_lm_plus.engine.rollback import tapped_call
+from mlx_lm_plus.engine import rollback, taps
 
 # Most tokens a draft row feeds in one drafting step: a row behind by more
 # (it waited many steps) catches up over several and proposes once caught
@@ -157,7 +156,9 @@ class DraftRows:
         # (Recurrent layers: their feeding calls tapped, facts.drafts_in_batch.)
         self.recorder = (taps.install_for_checking(model, prompts=False)
                          if ArraysCache in kinds else None)
-        self.windows = any(issubclass(k, RotatingKVCache) for k in kinds)
+        # (The draft's own embedding rows, where it says: `vocab` may be
+        # the model's where the draft doesn't.)
+        self.rows = getattr(getattr(model, "args", None), "vocab_size", None)
         # Of the drafting step being checked: each recurrent layer's arrays
         # after each drafted position fed (0: none), each sliding window's
         # state before them.
@@ -207,7 +208,7 @@ class DraftRows:
             row = tokens[at[uid]]
             stop = min(_length(row), fed + budget)
             if stop > fed:
-                self.model(mx.array(_span(row, fed, stop))[None], cache=cache)
+                self.model(self._known(mx.array(_span(row, fed, stop))[None]), cache=cache)
                 mx.eval([c.state for c in cache])
                 budget -= stop - fed
                 ran = True
@@ -299,6 +300,13 @@ class DraftRows:
         """propose(), over the draft rows."""
         tic, rows = time.perf_counter(), len(tokens)
         cap = max(1, min(CATCH_UP_MAX, MAX_POSITIONS // rows))
+        # (Recurrent layers: a feeding call keeps a batch's states at each
+        # distinct feed, and drafting one after each drafted position, both
+        # within rollback.STATE_BUDGET_BYTES, as a checking step's.)
+        most = rollback.widest(self.cache) if self.cache else None
+        if most is not None:
+            cap = min(cap, most)
+            lengths = [min(n, most) for n in lengths]
         feeds, drafting = [], []
         for j in range(rows):
             unseen = _length(tokens[j]) + 1 - self.fed[j]
@@ -317,12 +325,13 @@ class DraftRows:
             ids.append(known + [0] * (wide - len(known)))
             at.append(feeds[j] - 1 if len(known) < feeds[j] else -1)
         is_pending = mx.arange(wide)[None, :] == mx.array(at)[:, None]
-        inputs = mx.where(is_pending, pending[:, None].astype(mx.uint32),
-                          mx.array(ids, dtype=mx.uint32))
+        inputs = self._known(mx.where(is_pending, pending[:, None].astype(mx.uint32),
+                                      mx.array(ids, dtype=mx.uint32)))
         padding = [wide - f for f in feeds]
         in_temporal_order(self.cache)
-        logits, state_taps = tapped_call(self.model, inputs, self.cache, self.recorder,
-                                         self.recorder is not None and any(padding))
+        logits, state_taps = rollback.tapped_call(
+            self.model, inputs, self.cache, self.recorder,
+            self.recorder is not None and any(padding), cuts=feeds)
         last = mx.array([f - 1 for f in feeds])[:, None, None]
         first = mx.take_along_axis(logits, last, axis=1)[:, 0, :]
         if any(padding):  # (drafted tokens follow each row's own)
@@ -330,6 +339,7 @@ class DraftRows:
                               padding)
             if state_taps is not None:  # (each row's state after its own tokens)
                 state_taps.restore(feeds)
+                state_taps = None  # (its states let go before drafting)
         for j in range(rows):
             self.fed[j] += feeds[j]
         if not width:  # (only catching up)
@@ -338,8 +348,8 @@ class DraftRows:
         # Rows with a grammar: each drafted position masked as the grammar
         # would mask it there (its walk from the pending token on), a row's
         # drafting cut where its grammar stops it; rolled back after.
-        vocab = self.vocab or first.shape[-1]
-        walks = [g.draft_walk(vocab) if g is not None and drafting[j] else None
+        vocab = min(self.vocab or first.shape[-1], first.shape[-1])
+        walks = [g.draft_walk(vocab, tokens[j][0]) if g is not None and drafting[j] else None
                  for j, g in enumerate(grammars or [None] * rows)]
         limits = [n if d else 0 for n, d in zip(lengths, drafting)]
         try:
@@ -371,15 +381,20 @@ class DraftRows:
         """The draft rows' logits at their next drafted position (`drafted`
         drafted before it), each walking row's masked by its grammar after
         `last[j]`, its pending or last drafted token. A row whose walk
-        stops drafts no further (limits[j]: what it keeps)."""
+        stops drafts no further (limits[j]: what it keeps): not the drafted
+        token that stopped it (one that completes the grammar or closes a
+        strict call), which the check would cut (proposal_masks)."""
         logits = logits[:, :self.vocab] if self.vocab else logits
         keep = None
         for j, walk in enumerate(walks):
             if walk is None or walk.stopped or drafted >= limits[j]:
                 continue
             allowed = walk.after(last[j])
-            if allowed is None or not allowed.any():  # (none it can draft)
-                limits[j] = drafted
+            if allowed is None:
+                limits[j] = min(limits[j], max(0, drafted - 1))
+                continue
+            if not allowed.any():  # (none it can draft)
+                limits[j] = min(limits[j], drafted)
                 continue
             if keep is None:
                 keep = np.ones(logits.shape, dtype=bool)
@@ -401,6 +416,15 @@ class DraftRows:
                 self._windows.append((c, c.state))
                 c.keys, c.values = c.keys[...], c.values[...]
                 c.left_padding, c.offset = c.left_padding[...], c.offset[...]
+
+    def _known(self, ids: mx.array) -> mx.array:
+        """A row's tokens as the draft takes them: an id past the vocabulary
+        both models share (a model's wider than its draft's: only a warning
+        at load) as its last, which the draft's embedding holds (MLX does
+        not check: it would read past the table). Its proposals are then
+        only less often kept."""
+        known = [n for n in (self.vocab, self.rows) if n]
+        return ids if not known else mx.minimum(ids, min(known) - 1)
 
     def _greedy(self, logits: mx.array) -> mx.array:
         return mx.argmax(logits[:, :self.vocab] if self.vocab else logits, axis=-1)

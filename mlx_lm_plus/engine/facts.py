@@ -9,7 +9,7 @@ from mlx_lm_plus.engine import taps
 from mlx_lm_plus.engine.drafting import drafts_in_batch
 from mlx_lm_plus.engine.quantized_batch import supports_quantized_batching
 from mlx_lm_plus.engine.sampling import batches_seeded
-from mlx_lm_plus.models.provider import own_vision
+from mlx_lm_plus.models.provider import own_vision, vision_of
 from mlx_lm_plus.upstream import generation_batch_as_written, image_parts
 
 
@@ -80,7 +80,10 @@ class ModelFacts:
         cli_args = self.cli_args
         return (
             lm.is_batchable
-            and (lm.draft_model is None or self.drafts_in_batch(lm))
+            # (A vision model's draft proposes in the batch or nowhere:
+            # sequential.py's path never uses it.)
+            and (lm.draft_model is None or vision_of(lm) is not None
+                 or self.drafts_in_batch(lm))
             and (args.seed is None or batches_seeded(args.sampling))
             and (cli_args.kv_bits is None or self.batches_quantized(lm))
             and (not own_vision(lm) or not (

@@ -228,6 +228,10 @@ class ModelResidency:
                       f"kv_start={args.quantized_kv_start}")
         if draft is not None:
             extra += f",draft={model_identity(draft)}"
+            if vision_of(lm) is not None:
+                # (A batched vision family with a draft loads as a vision
+                # model now, its caches M-RoPE's; it loaded as text before.)
+                extra += ",vision"
         try:
             # Queued writes hold arrays no budget counts: at most a quarter
             # of the memory budget (and the tier's own cap).

@@ -42,11 +42,12 @@ def widest(prompt_cache) -> Optional[int]:
     return 1 + STATE_BUDGET_BYTES // max(1, state)
 
 
-def tapped_call(model, inputs: mx.array, prompt_cache, recorder, tap: bool):
+def tapped_call(model, inputs: mx.array, prompt_cache, recorder, tap: bool,
+                cuts: Optional[List[int]] = None):
     """model(inputs, cache=prompt_cache), each recurrent layer's states
-    after every position of the call kept where `tap` (StateTaps, its
-    width the call's); returns (logits, the taps or None)."""
-    taps = StateTaps(recorder, prompt_cache, inputs.shape[1]) if tap else None
+    after every position of the call (or only at `cuts`) kept where `tap`
+    (StateTaps, its width the call's); returns (logits, the taps or None)."""
+    taps = StateTaps(recorder, prompt_cache, inputs.shape[1], cuts) if tap else None
     if taps is not None:
         taps.open()
     try:
@@ -62,16 +63,20 @@ class StateTaps:
     call, after each of its positions, and after it (`open` before the call,
     `close` after it)."""
 
-    def __init__(self, recorder, prompt_cache, width: int):
+    def __init__(self, recorder, prompt_cache, width: int, cuts: Optional[List[int]] = None):
         self.recorder = recorder
         self.layers = recurrent_layers(prompt_cache)
         self.width = width
+        # (Positions whose states are kept: every one, or those asked for,
+        # the call cut into pieces only there.)
+        self.cuts = sorted({c for c in (range(1, width) if cuts is None else cuts)
+                            if 0 < c < width})
         self.before = [list(c.cache) for c in self.layers]
         self.after: List[List[Any]] = []
         self.states = {}
 
     def open(self):
-        self.recorder.cuts = {p: [None] for p in range(1, self.width)}
+        self.recorder.cuts = {p: [None] for p in self.cuts}
         self.recorder.states = {}
 
     def close(self):

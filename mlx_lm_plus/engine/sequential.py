@@ -216,8 +216,12 @@ class SequentialRunner:
     def _draft(self, lm):
         """The draft model this path speculates with: none where the draft
         proposes in the batch (facts.drafts_in_batch), whose stored caches
-        are the model's alone (a request here then runs without it)."""
-        if lm.draft_model is None or self.host.facts.drafts_in_batch(lm):
+        are the model's alone (a request here then runs without it), nor
+        for a vision model (mlx-lm's speculative step knows neither its
+        caches nor its images: --kv-bits on a vision family with a draft
+        serves its requests here, without the draft)."""
+        if (lm.draft_model is None or vision_of(lm) is not None
+                or self.host.facts.drafts_in_batch(lm)):
             return None
         return lm.draft_model
 

@@ -225,15 +225,24 @@ class ConstraintProcessor:
             return 0, None
         return checked, _allowed(bitmask[:checked], vocab)
 
-    def draft_walk(self, vocab: int) -> Optional["DraftWalk"]:
+    def draft_walk(self, vocab: int, known: Sequence[int]) -> Optional["DraftWalk"]:
         """The grammar walked along a draft model's tokens, so that the
-        draft drafts what the grammar allows (drafting.py); None where no
-        mask applies now (strict tools' free text: the draft drafts freely,
-        proposal_masks cuts at the call's opening) or none may be proposed
-        (thinking, complete, failed). `vocab`: the draft's logits' width."""
-        if self.error is None and self.state == _ACTIVE and not self.matcher.is_stopped():
-            return DraftWalk(self, vocab)
-        return None
+        draft drafts what the grammar allows (drafting.py), from the row's
+        tokens in its KV (`known`): those a check kept since the last
+        mask_batch are taken first (the grammar reads them at the next
+        step). None where no mask applies now (strict tools' free text: the
+        draft drafts freely, proposal_masks cuts at the call's opening) or
+        none may be proposed (thinking, complete, failed, or stopped by the
+        tokens kept). `vocab`: the draft's logits' width."""
+        if (self.error is not None or self.state != _ACTIVE or self._seen is None
+                or self.matcher.is_stopped()):
+            return None
+        walk = DraftWalk(self, vocab)
+        for token in known[self._seen:]:
+            if not walk.take(token):
+                walk.close()
+                return None
+        return walk
 
     def _first(self, context) -> str:
         """The first call: the prompt sets the thinking state."""
@@ -347,7 +356,8 @@ class DraftWalk:
         self.stopped = False
         self._row = np.zeros((1, processor._words), dtype=np.int32)
 
-    def after(self, token: int) -> Optional[np.ndarray]:
+    def take(self, token: int) -> bool:
+        """Consume `token`; whether drafting may go on after it."""
         p = self.processor
         matcher = p.matcher
         # (An id past the tokenizer's puts the matcher in error even to
@@ -355,12 +365,16 @@ class DraftWalk:
         if self.stopped or not 0 <= token < p.ll.vocab_size \
                 or matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
             self.stopped = True
-            return None
+            return False
         self.consumed += 1
         if matcher.is_stopped() or (p._trigger is not None and matcher.is_accepting()):
             self.stopped = True
+        return not self.stopped
+
+    def after(self, token: int) -> Optional[np.ndarray]:
+        if not self.take(token):
             return None
-        matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
+        self.processor.matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
         return _allowed(self._row, self.vocab)[0]
 
     def close(self):

@@ -558,10 +558,12 @@ def test_proposal_masks_are_the_masks_each_position_gets_and_change_nothing(qwen
 def test_a_draft_walk_gives_each_position_s_mask_and_changes_nothing(qwen3, kind):
     """At every point of a text, a draft's walk of the grammar (draft_walk)
     from the pending token along the next tokens gives, at each position,
-    the mask a processor fed them one a step gives there; it stops where
-    the grammar completes or a strict call closes, gives None while the
-    model writes freely (strict tools before a call), and once closed
-    leaves the grammar as it was (every step's mask the plain path's)."""
+    the mask a processor fed them one a step gives there, also where a
+    check kept tokens the grammar has not read yet (in the row's KV, read
+    at the next step: the walk takes them first); it stops where the
+    grammar completes or a strict call closes, gives None while the model
+    writes freely (strict tools before a call), and once closed leaves the
+    grammar as it was (every step's mask the plain path's)."""
     _, tok = qwen3
     vocab = 520
     grammar, prompt, tokens = _walked_text(kind, tok)
@@ -575,21 +577,22 @@ def test_a_draft_walk_gives_each_position_s_mask_and_changes_nothing(qwen3, kind
         mask = ConstraintProcessor.mask_batch([(0, proc, history[:-1], newest)], (1, vocab))
         got = None if mask is None else mask.keep[0]
         assert (got is None) == (want[at] is None) and (got is None or (got == want[at]).all())
-        walk = proc.draft_walk(vocab)
-        if walk is None:  # (free text, or the grammar complete: EOS only)
-            free += want[at + 1] is None
-            continue
-        for j, token in enumerate(tokens[at:at + 6]):
-            allowed = walk.after(token)
-            if allowed is None:
-                stops += 1
-                assert at + j + 1 == len(tokens) or want[at + j + 1] is None \
-                    or not want[at + j + 1][token], (kind, at, j)
-                break
-            walked += 1
-            assert want[at + j + 1] is not None and (allowed == want[at + j + 1]).all(), \
-                (kind, at, j)
-        walk.close()
-        assert proc.error is None and not proc.matcher.is_error()
+        for kept in (0, 2):  # (tokens a check kept, in the KV, not read yet)
+            walk = proc.draft_walk(vocab, history + tokens[at:at + kept])
+            if walk is None:  # (free text, the grammar complete, or stopped by them)
+                free += kept == 0 and want[at + 1] is None
+                continue
+            for j, token in enumerate(tokens[at + kept:at + kept + 6]):
+                allowed = walk.after(token)
+                k = at + kept + j + 1  # (tokens the grammar has taken, then)
+                if allowed is None:
+                    stops += 1
+                    assert k == len(tokens) or want[k] is None or not want[k][token], \
+                        (kind, at, kept, j)
+                    break
+                walked += kept > 0
+                assert want[k] is not None and (allowed == want[k]).all(), (kind, at, kept, j)
+            walk.close()
+            assert proc.error is None and not proc.matcher.is_error()
     assert walked > 20 and stops > 0
     assert (free > 0) == (kind == "strict")
