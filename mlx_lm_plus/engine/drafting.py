@@ -368,6 +368,11 @@ class DraftRows:
                 drafted.append(token)
                 self._states.append(self._recurrent())
             drafted = mx.stack(drafted, axis=1).tolist()  # (one evaluation)
+            for j, walk in enumerate(walks):
+                # (A row's last drafted token, not walked on yet: cut where
+                # it completes the grammar or closes a strict call.)
+                if walk is not None and limits[j] >= width and not walk.take(drafted[j][-1]):
+                    limits[j] = width - 1
         finally:
             for walk in walks:
                 if walk is not None:
