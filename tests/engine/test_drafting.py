@@ -797,3 +797,39 @@ def test_a_grammar_row_drafts_again_right_after_a_check_it_kept(runners, monkeyp
     for _, _, f in got[:2]:
         assert f["accepted"] >= 0.8 * f["proposed"], f
     assert all(n == made for made, n in cuts), [c for c in cuts if c[0] != c[1]]
+
+
+def test_a_draft_stops_before_the_token_that_completes_the_grammar(fixture_path):
+    """DraftRows alone, a row held to {"ok": <boolean>}: eight drafted
+    positions under the grammar reach its closing brace mid-draft; the
+    proposals stop before it (the token that completes a grammar is
+    sampled by the check, not proposed: proposal_masks would cut it), every
+    proposal is one the check keeps for the grammar, and the grammar is
+    left as it was."""
+    from mlx_lm import load
+
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor
+    from mlx_lm_plus.planning.grammars import compile_response_format
+
+    model, tok = load(str(fixture_path("qwen3")))
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {
+        "name": "b", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                "required": ["ok"], "additionalProperties": False}}})
+    prompt = tok.encode("Answer:")
+    vocab = model.args.vocab_size
+    proc = ConstraintProcessor(grammar, tok, prompt=prompt)
+    first = ConstraintProcessor.mask_batch([(0, proc, prompt[:-1], prompt[-1])], (1, vocab))
+    pending = int(np.flatnonzero(first.keep[0])[0])  # (what the plain step may sample)
+    draft = drafting.DraftRows(model, chunk=64, cost=speculation.DraftCost(), vocab=vocab)
+    draft.extend([1], [prompt], [True])
+    draft.catch_up([1], [(prompt, [])])
+    proposal, = draft.propose([1], [(prompt, [])], mx.array([pending], dtype=mx.uint32), [8],
+                              [proc])
+    draft.settle([1], [0])
+    # (The check's view: the pending token in the grammar, then the proposals.)
+    ConstraintProcessor.mask_batch([(0, proc, prompt, pending)], (1, vocab))
+    n, _ = proc.proposal_masks(proposal, vocab)
+    text = tok.decode([pending] + proposal)
+    assert 0 < len(proposal) < 8 and n == len(proposal), (text, proposal, n)
+    assert not text.rstrip().endswith("}"), text
+    assert proc.error is None and not proc.matcher.is_stopped()
