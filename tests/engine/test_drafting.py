@@ -833,3 +833,53 @@ def test_a_draft_stops_before_the_token_that_completes_the_grammar(fixture_path)
     assert 0 < len(proposal) < 8 and n == len(proposal), (text, proposal, n)
     assert not text.rstrip().endswith("}"), text
     assert proc.error is None and not proc.matcher.is_stopped()
+
+
+def test_a_recurrent_draft_holds_its_states_within_the_budget(fixture_path, monkeypatch):
+    """A Qwen3.5 draft: its feeding call keeps a batch's states only at its
+    rows' feeds, and drafting one after each drafted position, within
+    rollback.STATE_BUDGET_BYTES (here 3 batch states: rollback.widest 4)
+    as a checking step's: rows feed at most 4 tokens and draft at most 4
+    (they catch up over more steps), and each row's draft state is still a
+    fresh prefill's."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_plus.engine import rollback
+
+    model, _ = load(str(fixture_path("qwen3_5")))
+    draft = drafting.DraftRows(model, chunk=64, cost=speculation.DraftCost())
+    rows = [[(5 * i + j) % 400 + 20 for i in range(n)] for j, n in enumerate((9, 30))]
+    uids = [1, 2]
+    draft.extend(uids, rows, [True, True])
+    draft.catch_up(uids, [(r, []) for r in rows])
+    state = sum(a.nbytes for c in draft.cache if isinstance(c, drafting.ArraysCache)
+                for a in c.cache if a is not None)
+    monkeypatch.setattr(rollback, "STATE_BUDGET_BYTES", 3 * state)
+    assert rollback.widest(draft.cache) == 4
+    held, real_close = [], rollback.StateTaps.close
+
+    def close(self):
+        real_close(self)
+        held.append(len(self.states))
+
+    monkeypatch.setattr(rollback.StateTaps, "close", close)
+    rows[1].extend(range(100, 110))  # (ten tokens more to feed: several steps)
+    drafted = []
+    for step in range(6):
+        proposals = draft.propose(uids, [(r, []) for r in rows],
+                                  mx.array([7 + step, 9 + step], dtype=mx.uint32), [8, 8])
+        drafted.append(max(map(len, proposals)))
+        kept = [min(1, len(p)) for p in proposals]
+        draft.settle(uids, kept)
+        for r, p, k, t in zip(rows, proposals, kept, (7 + step, 9 + step)):
+            r.extend([t] + p[:k])
+    assert max(drafted) == 4 and held and max(held) <= 3 * len(model.layers), (drafted, held)
+    for j, row in enumerate(rows):
+        fed = draft.fed[j]
+        want = make_prompt_cache(model)
+        model(mx.array(row[:fed])[None], cache=want)
+        for w, g in zip(want, [c.extract(j) for c in draft.cache]):
+            if isinstance(w, drafting.ArraysCache):
+                for a, b in zip(g.cache, w.cache):
+                    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
