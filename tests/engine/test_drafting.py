@@ -886,3 +886,27 @@ def test_a_recurrent_draft_holds_its_states_within_the_budget(fixture_path, monk
             if isinstance(w, drafting.ArraysCache):
                 for a, b in zip(g.cache, w.cache):
                     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_a_vision_model_with_a_draft_under_kv_bits_serves_without_it(fixture_path):
+    """--kv-bits on a vision model with a draft (vision models don't batch
+    --kv-bits): its requests, image ones too, take the sequential path
+    without the draft (mlx-lm's speculative step knows neither images nor
+    these caches: every request failed there) and write what the model
+    writes without a draft."""
+    from tests.models.test_vision import RED, image_part, user
+
+    model = fixture_path("qwen2_5_vl")
+    argv = ["--kv-bits", "8"]
+    off = EngineRunner(model, argv=argv)
+    on = EngineRunner(model, argv=argv + draft_argv(fixture_path("qwen3")))
+    try:
+        bodies = [{"messages": [user(image_part(RED), "Describe the picture.")], "max_tokens": 8},
+                  chat("Tell me about rivers.", max_tokens=8)]
+        for body in bodies:
+            assert on.run(body)[0] == off.run(body)[0], body
+        assert on.sequential >= 2 and on.loaded.processor is not None
+        assert on.engine.sequential._draft(on.loaded) is None
+    finally:
+        off.close()
+        on.close()
