@@ -26,12 +26,13 @@ its row did not keep stays in a draft row's KV.
 
 Drafts of other layers (a small Qwen3.5 or Nemotron-H drafting for a large
 one, Gemma 3 270M for Gemma 3): the feeding call, rows right-padded, is
-tapped at every position where the draft has recurrent layers (taps.py, as a
-checking step is: rollback.StateTaps), and each row's state becomes the one
-after its own tokens, padding left out; each drafting call's states are
-kept as they are (no copy: a recurrent layer's arrays are replaced, never
-written into), and `settle` sets them back to those after the positions
-kept. A sliding window's one-token updates write over the window's oldest
+tapped at each row's own count of tokens where the draft has recurrent
+layers (taps.py, as a checking step is: rollback.StateTaps), and each row's
+state becomes the one after its own tokens, padding left out; each drafting
+call's states are kept as they are (no copy: a recurrent layer's arrays are
+replaced, never written into), and `settle` sets them back to those after
+the positions kept. Those states stay within rollback.STATE_BUDGET_BYTES
+(rows feed and draft at most rollback.widest positions a step). A sliding window's one-token updates write over the window's oldest
 positions in place, so they can't be trimmed back: its layers are set back
 to their state before the drafting calls (kept aside, its arrays rebound so
 the calls write into copies), the whole draft's drafted positions dropped,
