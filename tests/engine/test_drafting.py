@@ -791,8 +791,10 @@ def test_a_grammar_row_drafts_again_right_after_a_check_it_kept(runners, monkeyp
     reference = run(off, bodies)
     got = run_with_figures(itself, bodies)
     assert [t for t, _, _ in got] == [t for t, _, _ in reference]
-    # (Before the walk took the kept tokens: about every other step.)
-    assert len(asked) == 3 and all(drafted[g] >= 0.7 * asked[g] > 2 for g in asked), \
+    # (Before the walk took the kept tokens: every other step at most. A row
+    # also drafts nothing while it catches up, or where its pending token
+    # completes the grammar.)
+    assert len(asked) == 3 and all(drafted[g] >= 0.6 * asked[g] > 2 for g in asked), \
         (asked, drafted)
     # (The schema row; the forced call's penalty, which the draft doesn't
     # see, rejects some.)
