@@ -380,7 +380,12 @@ class DraftRows:
                     walk.close()
         self._drafted = width
         self.cost.observe(width, time.perf_counter() - tic)
-        return [drafted[j][:limits[j]] for j in range(rows)]
+        out = [drafted[j][:limits[j]] for j in range(rows)]
+        if not any(out):
+            # (Every row's grammar cut its drafts: no check follows, nor its
+            # settle. The drafted positions go now.)
+            self._keep_drafted(0)
+        return out
 
     def _masked(self, logits: mx.array, walks, last: List[int], limits: List[int],
                 drafted: int) -> mx.array:
@@ -440,13 +445,20 @@ class DraftRows:
         drafted positions (inputs: all drafted tokens but the last) past
         the fewest any draft row kept are trimmed from every draft row."""
         fed_drafts = self._drafted - 1  # (the last drafted token was not fed)
+        at = {uid: i for i, uid in enumerate(uids)}
+        valid = min((min(kept[at[uid]], fed_drafts) if proposing else 0
+                     for uid, proposing in zip(self.order, self._proposing)), default=0)
+        self._keep_drafted(valid)
+
+    def _keep_drafted(self, valid: int):
+        """The drafting calls' positions past the first `valid` taken out
+        of every draft row (trimmed, states set back; a window set back
+        whole, `valid` then 0), and the step's drafting forgotten."""
+        fed_drafts = self._drafted - 1  # (the last drafted token was not fed)
         states, windows = self._states, self._windows
         self._drafted, self._states, self._windows = 0, [], []
         if fed_drafts <= 0 or not self.cache:
             return
-        at = {uid: i for i, uid in enumerate(uids)}
-        valid = min(min(kept[at[uid]], fed_drafts) if proposing else 0
-                    for uid, proposing in zip(self.order, self._proposing))
         if windows:  # (set back to before the drafting calls: module doc)
             valid = 0
             for c, state in windows:
