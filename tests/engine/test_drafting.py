@@ -913,3 +913,38 @@ def test_a_vision_model_with_a_draft_under_kv_bits_serves_without_it(fixture_pat
     finally:
         off.close()
         on.close()
+
+
+def test_a_draft_whose_grammars_cut_every_proposal_keeps_no_drafted_position(fixture_path):
+    """DraftRows alone, a row held to {"ok": <boolean>} whose pending token
+    is the closing brace: the grammar completes there, so the row proposes
+    nothing, no check follows and no settle; the positions the draft drafted
+    are taken out at once (left in, every later proposal was off: the
+    model as its own draft kept 2 of 10 where it kept all)."""
+    from mlx_lm import load
+
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor
+    from mlx_lm_plus.planning.grammars import compile_response_format
+
+    model, tok = load(str(fixture_path("qwen3")))
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {
+        "name": "b", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                "required": ["ok"], "additionalProperties": False}}})
+    prompt = tok.encode("Answer:")
+    vocab = model.args.vocab_size
+    proc = ConstraintProcessor(grammar, tok, prompt=prompt)
+    ConstraintProcessor.mask_batch([(0, proc, prompt[:-1], prompt[-1])], (1, vocab))
+    body = tok.encode('{"ok": true', add_special_tokens=False)
+    brace, = tok.encode("}", add_special_tokens=False)
+    row = list(prompt)
+    for t in body:  # (the plain steps before: each token into the grammar)
+        ConstraintProcessor.mask_batch([(0, proc, row, t)], (1, vocab))
+        row.append(t)
+    draft = drafting.DraftRows(model, chunk=64, cost=speculation.DraftCost(), vocab=vocab)
+    draft.extend([1], [row], [True])
+    draft.catch_up([1], [(row, [])])
+    proposal, = draft.propose([1], [(row, [])], mx.array([brace], dtype=mx.uint32), [4], [proc])
+    assert proposal == []
+    assert draft.fed == [len(row) + 1]  # (its tokens and the brace)
+    assert all(c.extract(0).offset == draft.fed[0] for c in draft.cache)
+    assert proc.error is None and not proc.matcher.is_stopped()
