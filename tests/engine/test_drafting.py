@@ -34,6 +34,41 @@ def checked_always(monkeypatch, drop=None):
     monkeypatch.setattr(speculation.DraftCost, "predict", lambda self, width: 0.0)
 
 
+def grammar_cuts(monkeypatch) -> list:
+    """(proposed, kept for the grammar) of each grammar row's check
+    (speculation.checked_proposal), as they come."""
+    cuts = []
+    real = speculation.checked_proposal
+
+    def checked(processors, proposal, vocab):
+        n, keep = real(processors, proposal, vocab)
+        cuts.append((len(proposal), n))
+        return n, keep
+
+    monkeypatch.setattr(speculation, "checked_proposal", checked)
+    return cuts
+
+
+def boolean_row(fixture_path):
+    """The attention fixture and a row held to {"ok": <boolean>} after its
+    first step: (model, tokenizer, its ConstraintProcessor, prompt, vocab,
+    that step's mask)."""
+    from mlx_lm import load
+
+    from mlx_lm_plus.planning.constraints import ConstraintProcessor
+    from mlx_lm_plus.planning.grammars import compile_response_format
+
+    model, tok = load(str(fixture_path("qwen3")))
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {
+        "name": "b", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                "required": ["ok"], "additionalProperties": False}}})
+    prompt = tok.encode("Answer:")
+    vocab = model.args.vocab_size
+    proc = ConstraintProcessor(grammar, tok, prompt=prompt)
+    first = ConstraintProcessor.mask_batch([(0, proc, prompt[:-1], prompt[-1])], (1, vocab))
+    return model, tok, proc, prompt, vocab, first
+
+
 @pytest.fixture(scope="module")
 def runners(fixture_path):
     model = fixture_path("qwen3")
@@ -701,15 +736,7 @@ def test_a_draft_drafts_what_the_grammar_allows(runners, monkeypatch):
     # drafted, as the check would cut it.)
     bodies = [GRAMMARS[0], GRAMMARS[2], GRAMMARS[1],
               chat("A plain row beside them.", max_tokens=30)]
-    cuts = []
-    real = speculation.checked_proposal
-
-    def checked(processors, proposal, vocab):
-        n, keep = real(processors, proposal, vocab)
-        cuts.append((len(proposal), n))
-        return n, keep
-
-    monkeypatch.setattr(speculation, "checked_proposal", checked)
+    cuts = grammar_cuts(monkeypatch)
     reference = run(off, bodies)
     got = run_with_figures(other, bodies)
     for (want, want_lp, _), (tokens, lp, _), body in zip(reference, got, bodies):
@@ -769,15 +796,7 @@ def test_a_grammar_row_drafts_again_right_after_a_check_it_kept(runners, monkeyp
     bodies = [GRAMMARS[0], GRAMMARS[2], GRAMMARS[1]]
     asked, drafted = Counter(), Counter()
     real = drafting.DraftRows._draft
-    cuts = []
-    real_checked = speculation.checked_proposal
-
-    def checked(processors, proposal, vocab):
-        n, keep = real_checked(processors, proposal, vocab)
-        cuts.append((len(proposal), n))
-        return n, keep
-
-    monkeypatch.setattr(speculation, "checked_proposal", checked)
+    cuts = grammar_cuts(monkeypatch)
 
     def spy(self, tokens, pending, lengths, grammars=None):
         out = real(self, tokens, pending, lengths, grammars)
@@ -809,19 +828,9 @@ def test_a_draft_stops_before_the_token_that_completes_the_grammar(fixture_path)
     sampled by the check, not proposed: proposal_masks would cut it), every
     proposal is one the check keeps for the grammar, and the grammar is
     left as it was."""
-    from mlx_lm import load
-
     from mlx_lm_plus.planning.constraints import ConstraintProcessor
-    from mlx_lm_plus.planning.grammars import compile_response_format
 
-    model, tok = load(str(fixture_path("qwen3")))
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {
-        "name": "b", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
-                                "required": ["ok"], "additionalProperties": False}}})
-    prompt = tok.encode("Answer:")
-    vocab = model.args.vocab_size
-    proc = ConstraintProcessor(grammar, tok, prompt=prompt)
-    first = ConstraintProcessor.mask_batch([(0, proc, prompt[:-1], prompt[-1])], (1, vocab))
+    model, tok, proc, prompt, vocab, first = boolean_row(fixture_path)
     pending = int(np.flatnonzero(first.keep[0])[0])  # (what the plain step may sample)
     draft = drafting.DraftRows(model, chunk=64, cost=speculation.DraftCost(), vocab=vocab)
     draft.extend([1], [prompt], [True])
@@ -921,19 +930,9 @@ def test_a_draft_whose_grammars_cut_every_proposal_keeps_no_drafted_position(fix
     nothing, no check follows and no settle; the positions the draft drafted
     are taken out at once (left in, every later proposal was off: the
     model as its own draft kept 2 of 10 where it kept all)."""
-    from mlx_lm import load
-
     from mlx_lm_plus.planning.constraints import ConstraintProcessor
-    from mlx_lm_plus.planning.grammars import compile_response_format
 
-    model, tok = load(str(fixture_path("qwen3")))
-    grammar = compile_response_format({"type": "json_schema", "json_schema": {
-        "name": "b", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
-                                "required": ["ok"], "additionalProperties": False}}})
-    prompt = tok.encode("Answer:")
-    vocab = model.args.vocab_size
-    proc = ConstraintProcessor(grammar, tok, prompt=prompt)
-    ConstraintProcessor.mask_batch([(0, proc, prompt[:-1], prompt[-1])], (1, vocab))
+    model, tok, proc, prompt, vocab, _ = boolean_row(fixture_path)
     body = tok.encode('{"ok": true', add_special_tokens=False)
     brace, = tok.encode("}", add_special_tokens=False)
     row = list(prompt)
