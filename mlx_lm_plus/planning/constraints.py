@@ -199,33 +199,22 @@ class ConstraintProcessor:
         if self.state == _FREE:
             n = proposal.index(self._trigger) if self._trigger in proposal else len(proposal)
             return n, None
-        matcher = self.matcher
-        if self.state != _ACTIVE or matcher.is_stopped():
+        if self.state != _ACTIVE or self.matcher.is_stopped():
             return 0, None
-        # (An id past the tokenizer's, which a draft of a wider vocabulary
-        # may propose, puts llguidance's matcher in error even to validate.)
-        proposal = list(proposal)
-        beyond = next((j for j, t in enumerate(proposal) if not 0 <= t < self.ll.vocab_size), None)
-        valid = matcher.validate_tokens(proposal[:beyond])
-        bitmask = np.zeros((valid, self._words), dtype=np.int32)
-        consumed = checked = 0
-        for token in proposal[:valid]:
-            if not matcher.consume_token(token):
+        walk = GrammarWalk(self, vocab)
+        bitmask = np.zeros((len(proposal), self._words), dtype=np.int32)
+        checked = 0
+        for token in proposal:
+            if not walk.take(token):
                 break
-            consumed += 1
-            if matcher.is_stopped() or (self._trigger is not None and matcher.is_accepting()):
-                break
-            row = bitmask[checked]
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            walk.mask_into(bitmask[checked])
             checked += 1
-        if consumed and not matcher.rollback(consumed):
-            # (The grammar can't be trusted from here: end the request, as
-            # for any grammar failure.)
-            self._fail()
+        walk.close()
+        if self.error is not None:  # (its rollback failed: the request ends)
             return 0, None
         return checked, _allowed(bitmask[:checked], vocab)
 
-    def draft_walk(self, vocab: int, known: Sequence[int]) -> Optional["DraftWalk"]:
+    def draft_walk(self, vocab: int, known: Sequence[int]) -> Optional["GrammarWalk"]:
         """The grammar walked along a draft model's tokens, so that the
         draft drafts what the grammar allows (drafting.py), from the row's
         tokens in its KV (`known`): those a check kept since the last
@@ -237,7 +226,7 @@ class ConstraintProcessor:
         if (self.error is not None or self.state != _ACTIVE or self._seen is None
                 or self.matcher.is_stopped()):
             return None
-        walk = DraftWalk(self, vocab)
+        walk = GrammarWalk(self, vocab)
         for token in known[self._seen:]:
             if not walk.take(token):
                 walk.close()
@@ -339,14 +328,15 @@ class ConstraintProcessor:
         }
 
 
-class DraftWalk:
-    """A grammar walked ahead along a draft's tokens, before the check
-    (ConstraintProcessor.draft_walk), from the state mask_batch left: the
-    row's pending token (sampled under that mask), then each drafted one.
-    `after(token)` consumes it and gives the allowed ids at the position
-    after it ([vocab] bool), or None from where drafting must stop: a token
-    the grammar refuses, or one that completes it or closes a strict tool
-    call (proposal_masks cuts there too). `close()` rolls back everything
+class GrammarWalk:
+    """A grammar walked ahead of what it has read, from the state
+    mask_batch left: along a check's proposals (proposal_masks), or a
+    draft's tokens before the check (draft_walk: the row's pending token,
+    sampled under that mask, then each drafted one). `take(token)` consumes
+    it and says whether proposals may go on after it: not after a token the
+    grammar refuses, or one that completes it or closes a strict tool call.
+    `after(token)` takes it and gives the allowed ids at the position after
+    it ([vocab] bool; None where they stop). `close()` rolls back everything
     consumed (llguidance), leaving the grammar as it was."""
 
     def __init__(self, processor: ConstraintProcessor, vocab: int):
@@ -371,15 +361,21 @@ class DraftWalk:
             self.stopped = True
         return not self.stopped
 
+    def mask_into(self, row: np.ndarray):
+        """The bitmask of the position after the tokens taken, into `row`."""
+        self.processor.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
     def after(self, token: int) -> Optional[np.ndarray]:
         if not self.take(token):
             return None
-        self.processor.matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
+        self.mask_into(self._row[0])
         return _allowed(self._row, self.vocab)[0]
 
     def close(self):
         if self.consumed and not self.processor.matcher.rollback(self.consumed):
-            self.processor._fail()  # (can't be trusted from here: as proposal_masks)
+            # (The grammar can't be trusted from here: end the request, as
+            # for any grammar failure.)
+            self.processor._fail()
         self.consumed, self.stopped = 0, True
 
 
